@@ -1,0 +1,96 @@
+"""The chunk format: content-addressed, checksummed, optionally lz4-compressed.
+
+A chunk's name is the BLAKE3 hash of its raw bytes, so identical data is stored once and every read
+can prove it got the right bytes. On a store a chunk is a 32-byte header followed by the payload:
+
+    magic  b"CPFC"   4 bytes
+    version          1 byte   (1)
+    codec            1 byte   (0 = raw, 1 = lz4 block)
+    reserved         2 bytes
+    raw length       8 bytes  little-endian
+    payload length   8 bytes
+    reserved         8 bytes
+
+The hash is not repeated in the header: the key is the hash, and decoding checks the bytes against it.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import blake3
+import lz4.block
+
+from .errors import CorruptChunk
+
+MAGIC = b"CPFC"
+VERSION = 1
+CODEC_RAW = 0
+CODEC_LZ4 = 1
+CODECS = {"raw": CODEC_RAW, "lz4": CODEC_LZ4}
+CODEC_NAMES = {v: k for k, v in CODECS.items()}
+_HEADER = struct.Struct("<4sBBHQQ8x")
+HEADER_SIZE = _HEADER.size
+# lz4 must save at least this fraction to be worth a decompression on every read.
+MIN_SAVING = 1 / 16
+
+
+def chunk_hash(data: bytes | memoryview) -> str:
+    """Hex BLAKE3 of raw bytes: ~9 GB/s on one core here (sha256: ~2 GB/s), and it drops the GIL."""
+    return blake3.blake3(data).hexdigest()
+
+
+def chunk_key(digest: str) -> str:
+    """Store key of a chunk; two-level fan-out keeps folders small on directory stores."""
+    return f"chunks/{digest[:2]}/{digest}"
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    digest: str
+    raw_len: int
+    codec: str
+    blob: bytes           # header + payload, as stored
+
+    @property
+    def stored_len(self) -> int:
+        return len(self.blob)
+
+
+def encode(data: bytes | memoryview, compression: str = "lz4", digest: str | None = None) -> EncodedChunk:
+    """Hash and (if it pays) compress raw bytes. Blocking: call from a worker thread."""
+    raw = memoryview(data)
+    digest = digest or chunk_hash(raw)
+    payload: bytes | memoryview = raw
+    codec = CODEC_RAW
+    if compression == "lz4" and len(raw):
+        packed = lz4.block.compress(raw, store_size=False)
+        if len(packed) <= len(raw) * (1 - MIN_SAVING):
+            payload, codec = packed, CODEC_LZ4
+    header = _HEADER.pack(MAGIC, VERSION, codec, 0, len(raw), len(payload))
+    return EncodedChunk(digest, len(raw), CODEC_NAMES[codec], header + bytes(payload))
+
+
+def decode(blob: bytes, digest: str) -> bytes:
+    """Raw bytes of a stored chunk, verified against its name. Blocking: call from a worker thread."""
+    if len(blob) < HEADER_SIZE:
+        raise CorruptChunk(f"chunk {digest[:16]}: {len(blob)} bytes is shorter than its header")
+    magic, version, codec, _, raw_len, payload_len = _HEADER.unpack_from(blob)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptChunk(f"chunk {digest[:16]}: bad magic or version ({magic!r}, {version})")
+    if payload_len != len(blob) - HEADER_SIZE:
+        raise CorruptChunk(f"chunk {digest[:16]}: payload is {len(blob) - HEADER_SIZE} bytes, "
+                           f"header says {payload_len}")
+    payload = memoryview(blob)[HEADER_SIZE:]
+    if codec == CODEC_LZ4:
+        try:
+            raw = lz4.block.decompress(payload, uncompressed_size=raw_len)
+        except lz4.block.LZ4BlockError as e:
+            raise CorruptChunk(f"chunk {digest[:16]}: lz4 payload does not decompress: {e}") from None
+    elif codec == CODEC_RAW:
+        raw = blob[HEADER_SIZE:]
+    else:
+        raise CorruptChunk(f"chunk {digest[:16]}: unknown codec {codec}")
+    if len(raw) != raw_len or chunk_hash(raw) != digest:
+        raise CorruptChunk(f"chunk {digest[:16]}: content hash mismatch")
+    return raw

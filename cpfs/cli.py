@@ -1,0 +1,235 @@
+"""The `cpfs` command: put, ls, inspect, cat, rm, mount.
+
+User errors print one line without a traceback: exit 2 for bad configuration, 1 for anything else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from . import daemon
+from .cache import ChunkCache
+from .catalog import Catalog
+from .config import Config, load_config
+from .errors import ConfigError, CpfsError, NotFound
+from .importer import Importer
+from .manifest import Manifest, normalize_path
+from .pool import StorePool
+from .readahead import Scheduler
+from .tensor_index import TensorIndex
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+async def _open(config: Config) -> tuple[StorePool, Catalog]:
+    pool = StorePool(config)
+    await pool.check()
+    return pool, Catalog(pool)
+
+
+async def cmd_put(config: Config, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    src = Path(args.src)
+    if not src.exists():
+        raise NotFound(f"{src}: no such file or folder")
+    total = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size
+    pool, catalog = await _open(config)
+    t0 = time.monotonic()
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not sys.stderr.isatty(),
+              desc="put", file=sys.stderr) as bar:
+        importer = Importer(pool, catalog, progress=bar.update)
+        manifests = await importer.put(src, args.dest)
+    s = importer.stats
+    dt = time.monotonic() - t0
+    ratio = "inf (no new chunk data)" if s.new_raw_bytes == 0 else f"{s.dedup_ratio:.2f}"
+    print(f"put {s.files} file(s), {_human(s.logical_bytes)} in {dt:.1f}s ({_human(s.logical_bytes / dt)}/s): "
+          f"new chunk data {_human(s.new_raw_bytes)}, stored {_human(s.new_stored_bytes)} "
+          f"over {config.replicas} replicas, dedup ratio {ratio}")
+    for m in manifests:
+        print(f"  {m.path}  {m.size} bytes  {len(m.chunks)} chunks"
+              f"{'  tensor index: ' + str(len(m.tensor_index['tensors'])) + ' tensors' if m.tensor_index else ''}")
+    return 0
+
+
+def _children(manifests: dict[str, Manifest], path: str) -> tuple[list[str], list[Manifest]]:
+    prefix = "/" if path == "/" else path + "/"
+    dirs, files = set(), []
+    for p, m in manifests.items():
+        if p.startswith(prefix):
+            rest = p[len(prefix):]
+            if "/" in rest:
+                dirs.add(rest.split("/", 1)[0])
+            else:
+                files.append(m)
+    return sorted(dirs), sorted(files, key=lambda m: m.path)
+
+
+async def cmd_ls(config: Config, args: argparse.Namespace) -> int:
+    _, catalog = await _open(config)
+    manifests = await catalog.load_all()
+    path = "/" if args.path in (None, "", "/") else normalize_path(args.path)
+    if path in manifests:
+        files, dirs = [manifests[path]], []
+    else:
+        dirs, files = _children(manifests, path)
+        if not dirs and not files and path != "/":
+            raise NotFound(f"{path}: no such file or folder")
+    for d in dirs:
+        print(f"{'-':>12}  {'':19}  {d}/")
+    for m in files:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.mtime_ns / 1e9))
+        print(f"{m.size:>12}  {when}  {m.path.rsplit('/', 1)[1]}")
+    return 0
+
+
+async def cmd_inspect(config: Config, args: argparse.Namespace) -> int:
+    _, catalog = await _open(config)
+    m = await catalog.get(normalize_path(args.path))
+    per_store: dict[str, int] = {}
+    for c in m.chunks:
+        for s in c.stores:
+            per_store[s] = per_store.get(s, 0) + 1
+    index = TensorIndex.from_json(m.tensor_index) if m.tensor_index else None
+    if args.json:
+        doc = json.loads(m.to_bytes())
+        doc["chunks_per_store"] = per_store
+        doc["compression_ratio"] = m.size / m.stored_bytes if m.stored_bytes else 1.0
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"path        {m.path}")
+    print(f"size        {m.size} ({_human(m.size)})")
+    print(f"chunks      {len(m.chunks)} (chunk size {_human(m.chunk_size)}; "
+          f"{sum(c.codec == 'lz4' for c in m.chunks)} lz4, {sum(c.codec == 'raw' for c in m.chunks)} raw)")
+    print(f"stored      {_human(m.stored_bytes)} per replica, compression ratio "
+          f"{m.size / m.stored_bytes if m.stored_bytes else 1:.2f}")
+    print("replicas    " + ", ".join(f"{s}: {n} chunks" for s, n in sorted(per_store.items())))
+    print(f"mtime       {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.mtime_ns / 1e9))}  "
+          f"mode {oct(m.mode)}  version {m.version}")
+    if index is None:
+        print("tensors     (no tensor index)")
+        return 0
+    print(f"tensors     {len(index.tensors)} ({index.format}, {len(index.records)} records)")
+    width = max((len(t.name) for t in index.tensors), default=4)
+    print(f"  {'name':<{width}}  {'dtype':<9}  {'shape':<18}  {'offset':>12}  {'length':>12}")
+    for t in index.tensors:
+        print(f"  {t.name:<{width}}  {t.dtype:<9}  {str(list(t.shape)):<18}  {t.offset:>12}  {t.length:>12}")
+    return 0
+
+
+async def cmd_cat(config: Config, args: argparse.Namespace) -> int:
+    pool, catalog = await _open(config)
+    m = await catalog.get(normalize_path(args.path))
+    sched = Scheduler(ChunkCache(max(config.readahead_max * 2, 8 * config.chunk_size)), pool.fetch_chunk, config)
+    out = sys.stdout.buffer
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, None)
+        step = config.chunk_size
+        for off in range(0, m.size, step):
+            data = await reader.read(off, step)
+            await trio.to_thread.run_sync(out.write, data)
+        await reader.aclose()
+    await trio.to_thread.run_sync(out.flush)
+    return 0
+
+
+async def cmd_rm(config: Config, args: argparse.Namespace) -> int:
+    _, catalog = await _open(config)
+    path = normalize_path(args.path)
+    manifests = await catalog.load_all()
+    if path in manifests:
+        targets = [path]
+    else:
+        targets = [p for p in manifests if p.startswith(path + "/")]
+        if not targets:
+            raise NotFound(f"{path}: no such file or folder")
+        if not args.recursive:
+            raise CpfsError(f"{path}: is a folder (use -r)")
+    for p in targets:
+        await catalog.remove(p)
+        print(f"removed {p}")
+    return 0
+
+
+def cmd_mount(config: Config, args: argparse.Namespace) -> int:
+    mountpoint = Path(args.mountpoint).absolute()
+    daemon.check_mountpoint(mountpoint)
+    level = (args.log_level or config.log_level).upper()
+    if args.foreground:
+        daemon.setup_logging(level, args.log_file)
+        return daemon.run_foreground(config, mountpoint, args.ready_fd)
+    argv = ["mount", str(mountpoint), "--log-level", level]
+    if args.config:
+        argv += ["--config", str(Path(args.config).absolute())]
+    log_file = Path(args.log_file) if args.log_file else daemon.default_log_file()
+    return daemon.launch(argv, log_file)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpfs", description="A filesystem for ML checkpoints.")
+    p.add_argument("--config", help="TOML config (default: $CPFS_CONFIG, else the embedded default)")
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    s = sub.add_parser("put", parents=[common], help="import a file or folder")
+    s.add_argument("src")
+    s.add_argument("dest", nargs="?")
+    s = sub.add_parser("ls", parents=[common], help="list a folder")
+    s.add_argument("path", nargs="?")
+    s = sub.add_parser("inspect", parents=[common], help="chunks, replicas, tensor index of a file")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("cat", parents=[common], help="write a file's verified bytes to stdout")
+    s.add_argument("path")
+    s = sub.add_parser("rm", parents=[common], help="remove a file (or, with -r, a folder)")
+    s.add_argument("path")
+    s.add_argument("-r", "--recursive", action="store_true")
+    s = sub.add_parser("mount", parents=[common], help="mount; returns once the mount is live")
+    s.add_argument("mountpoint")
+    s.add_argument("--foreground", action="store_true", help="stay attached; SIGINT/SIGTERM unmount")
+    s.add_argument("--log-file")
+    s.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    s.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+COMMANDS = {"put": cmd_put, "ls": cmd_ls, "inspect": cmd_inspect, "cat": cmd_cat, "rm": cmd_rm}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+        if args.command == "mount":
+            return cmd_mount(config, args)
+        logging.basicConfig(level=logging.WARNING, format="cpfs: %(levelname)s: %(message)s")
+        return trio.run(COMMANDS[args.command], config, args)
+    except ConfigError as e:
+        print(f"cpfs: config error: {e}", file=sys.stderr)
+        if args.command == "mount" and getattr(args, "ready_fd", None) is not None:
+            os.write(args.ready_fd, f"ERROR config error: {e}\n".encode())
+        return 2
+    except CpfsError as e:
+        print(f"cpfs: error: {e}", file=sys.stderr)
+        if args.command == "mount" and getattr(args, "ready_fd", None) is not None:
+            os.write(args.ready_fd, f"ERROR {e}\n".encode())
+        return 1
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

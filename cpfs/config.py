@@ -1,0 +1,260 @@
+"""Configuration: a TOML file whose key names are a contract (tests outside this repo write them).
+
+Every key has a default, every unknown key is an error, and every error names the file and the key,
+because a typo in a store list must never silently mean "one replica fewer".
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
+_NUM = r"\s*([0-9]+(?:\.[0-9]+)?)\s*"
+
+
+def parse_size(value: Any) -> int:
+    """'4MiB' -> 4194304; plain integers are bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as '4MiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(_NUM + r"([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    raise ValueError(f"expected a size such as '512KiB', '4MiB', '1GiB' or an integer, got {value!r}")
+
+
+def parse_duration(value: Any) -> float:
+    """'5ms' -> 0.005 seconds; plain numbers are seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    if isinstance(value, str):
+        m = re.fullmatch(_NUM + r"(us|ms|s)?\s*", value)
+        if m:
+            return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
+    raise ValueError(f"expected a duration such as '5ms' or '2s', got {value!r}")
+
+
+def parse_rate(value: Any) -> float:
+    """'300MiB/s' -> bytes per second."""
+    if isinstance(value, str) and value.strip().endswith("/s"):
+        return float(parse_size(value.strip()[:-2]))
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise ValueError(f"expected a rate such as '300MiB/s', got {value!r}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    name: str
+    url: str
+    kind: str                    # "dir" (s3 comes with its own issue)
+    path: Path | None            # for "dir"
+    latency: float = 0.0         # simulated per-request latency, seconds
+    bandwidth: float | None = None  # simulated per-store bandwidth, bytes/s
+    concurrency: int = 8         # requests in flight to this store
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str
+    stores: tuple[StoreConfig, ...]
+    replicas: int = 2
+    write_quorum: int = 2
+    chunk_size: int = 4 * 1024**2
+    compression: str = "lz4"
+    cache_memory: int = 1024**3
+    readahead_initial: int = 8 * 1024**2
+    readahead_max: int = 256 * 1024**2
+    fetch_concurrency: int = 16
+    cpu_threads: int = 2
+    request_timeout: float = 30.0
+    entry_timeout: float = 300.0
+    notify_store: bool = True
+    read_ahead_kb: int = 1024
+    max_tasks: int = 64
+    log_level: str = "INFO"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def store(self, name: str) -> StoreConfig:
+        for s in self.stores:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+# key -> (Config field, parser); sections flatten into Config fields.
+_TOP = {
+    "replicas": ("replicas", int),
+    "write_quorum": ("write_quorum", int),
+    "chunk_size": ("chunk_size", parse_size),
+    "compression": ("compression", str),
+    "log_level": ("log_level", str),
+}
+_SECTIONS = {
+    "cache": {"memory": ("cache_memory", parse_size)},
+    "readahead": {
+        "initial": ("readahead_initial", parse_size),
+        "max": ("readahead_max", parse_size),
+        "concurrency": ("fetch_concurrency", int),
+        "cpu_threads": ("cpu_threads", int),
+    },
+    "mount": {
+        "entry_timeout": ("entry_timeout", parse_duration),
+        "notify_store": ("notify_store", bool),
+        "read_ahead_kb": ("read_ahead_kb", int),
+        "max_tasks": ("max_tasks", int),
+    },
+    "store_defaults": {"timeout": ("request_timeout", parse_duration)},
+}
+_STORE_KEYS = {"name", "url", "latency", "bandwidth", "concurrency", "endpoint", "region"}
+
+
+def _fail(source: str, key: str, what: str) -> ConfigError:
+    return ConfigError(f"{source}: {key}: {what}")
+
+
+def _convert(source: str, key: str, parser: Any, value: Any) -> Any:
+    if parser is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _fail(source, key, f"expected an integer, got {value!r}")
+    if parser is bool and not isinstance(value, bool):
+        raise _fail(source, key, f"expected true or false, got {value!r}")
+    if parser is str and not isinstance(value, str):
+        raise _fail(source, key, f"expected a string, got {value!r}")
+    try:
+        return parser(value)
+    except ValueError as e:
+        raise _fail(source, key, str(e)) from None
+
+
+def _expand(path: str) -> str:
+    env = dict(os.environ)
+    env.setdefault("XDG_DATA_HOME", str(Path.home() / ".local" / "share"))
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), m.group(0)), path)
+
+
+def _store(source: str, base: Path, i: int, raw: Any, defaults: dict[str, Any]) -> StoreConfig:
+    where = f"store[{i}]"
+    if not isinstance(raw, dict):
+        raise _fail(source, where, "each [[store]] must be a table")
+    unknown = set(raw) - _STORE_KEYS
+    if unknown:
+        raise _fail(source, f"{where}.{sorted(unknown)[0]}", "unknown key")
+    for req in ("name", "url"):
+        if not isinstance(raw.get(req), str) or not raw[req]:
+            raise _fail(source, f"{where}.{req}", "required, a non-empty string")
+    name, url = raw["name"], raw["url"]
+    where = f"store {name!r}"
+    if url.startswith("s3://"):
+        raise _fail(source, f"{where}.url", "s3:// stores are not supported yet (directory stores only)")
+    if "://" in url and not url.startswith("file://"):
+        raise _fail(source, f"{where}.url", f"unsupported scheme in {url!r} (use file:///abs/path or a path)")
+    path = Path(_expand(url[len("file://"):] if url.startswith("file://") else url)).expanduser()
+    if url.startswith("file://") and not path.is_absolute():
+        raise _fail(source, f"{where}.url", f"file:// URLs need an absolute path, got {url!r}")
+    if not path.is_absolute():
+        path = base / path
+    latency = _convert(source, f"{where}.latency", parse_duration, raw.get("latency", 0))
+    bandwidth = raw.get("bandwidth")
+    if bandwidth is not None:
+        bandwidth = _convert(source, f"{where}.bandwidth", parse_rate, bandwidth)
+    concurrency = _convert(source, f"{where}.concurrency", int, raw.get("concurrency", 8))
+    if concurrency < 1:
+        raise _fail(source, f"{where}.concurrency", "must be at least 1")
+    return StoreConfig(name=name, url=url, kind="dir", path=path, latency=latency,
+                       bandwidth=bandwidth, concurrency=concurrency)
+
+
+def parse_config(text: str, source: str, base: Path) -> Config:
+    """Parse TOML text; relative store paths resolve against `base`."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "store":
+            continue
+        if key in _TOP:
+            fld, parser = _TOP[key]
+            values[fld] = _convert(source, key, parser, value)
+        elif key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise _fail(source, key, "must be a table")
+            for sub, subvalue in value.items():
+                if sub not in _SECTIONS[key]:
+                    raise _fail(source, f"{key}.{sub}", "unknown key")
+                fld, parser = _SECTIONS[key][sub]
+                values[fld] = _convert(source, f"{key}.{sub}", parser, subvalue)
+        else:
+            raise _fail(source, key, "unknown key")
+    stores_raw = raw.get("store", [])
+    if not isinstance(stores_raw, list) or not stores_raw:
+        raise _fail(source, "store", "at least one [[store]] table is required")
+    stores = tuple(_store(source, base, i, s, values) for i, s in enumerate(stores_raw))
+    names = [s.name for s in stores]
+    for name in names:
+        if names.count(name) > 1:
+            raise _fail(source, f"store {name!r}.name", "duplicate store name")
+    paths = [s.path for s in stores]
+    for s in stores:
+        if paths.count(s.path) > 1:
+            raise _fail(source, f"store {s.name!r}.url", f"two stores share the folder {s.path}")
+    replicas = values.get("replicas", 2)
+    if replicas < 1:
+        raise _fail(source, "replicas", "must be at least 1")
+    if replicas > len(stores):
+        raise _fail(source, "replicas", f"{replicas} replicas need at least {replicas} stores, "
+                                        f"{len(stores)} configured")
+    values.setdefault("write_quorum", replicas)
+    if not 1 <= values["write_quorum"] <= replicas:
+        raise _fail(source, "write_quorum", f"must be between 1 and replicas ({replicas})")
+    if values.get("compression", "lz4") not in ("lz4", "none"):
+        raise _fail(source, "compression", f"expected 'lz4' or 'none', got {values['compression']!r}")
+    chunk_size = values.get("chunk_size", Config.chunk_size)
+    if not 64 * 1024 <= chunk_size <= 256 * 1024**2:
+        raise _fail(source, "chunk_size", "must be between 64KiB and 256MiB")
+    if values.get("cache_memory", Config.cache_memory) < 4 * chunk_size:
+        raise _fail(source, "cache.memory", f"must hold at least 4 chunks ({4 * chunk_size} bytes)")
+    for key, fld in (("readahead.concurrency", "fetch_concurrency"), ("readahead.cpu_threads", "cpu_threads"),
+                     ("mount.max_tasks", "max_tasks")):
+        if values.get(fld, 1) < 1:
+            raise _fail(source, key, "must be at least 1")
+    level = values.get("log_level", "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise _fail(source, "log_level", f"expected DEBUG, INFO, WARNING or ERROR, got {level!r}")
+    values["log_level"] = level
+    return Config(source=source, stores=stores, **values)
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    """--config, else $CPFS_CONFIG, else the embedded default (stores under $XDG_DATA_HOME/cpfs)."""
+    if path is None:
+        path = os.environ.get("CPFS_CONFIG") or None
+    if path is None:
+        return parse_config(DEFAULT_CONFIG.read_text(), f"{DEFAULT_CONFIG} (embedded default)",
+                            DEFAULT_CONFIG.parent)
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
+    return parse_config(text, str(p), p.resolve().parent)

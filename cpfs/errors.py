@@ -1,0 +1,58 @@
+"""One small hierarchy of errors; the FUSE boundary (cpfs.fs) alone maps them to errno."""
+from __future__ import annotations
+
+import errno
+
+
+class CpfsError(Exception):
+    """Base of every error cpfs raises on purpose."""
+
+    errno = errno.EIO
+
+
+class ConfigError(CpfsError):
+    """Bad configuration: the message names the file, the key and what is wrong."""
+
+    errno = errno.EINVAL
+
+
+class StoreError(CpfsError):
+    """A backing store failed an operation; `store` names it."""
+
+    def __init__(self, store: str, message: str) -> None:
+        super().__init__(f"store {store!r}: {message}")
+        self.store = store
+
+
+class NoSuchObject(StoreError):
+    """The key is not in the store (a missing replica, not necessarily a missing file)."""
+
+    errno = errno.ENOENT
+
+
+class StoreFull(StoreError):
+    errno = errno.ENOSPC
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (missing directory, refused connection, timeout)."""
+
+
+class CorruptChunk(CpfsError):
+    """Stored bytes do not decode, or decode to bytes whose hash is not the chunk's name."""
+
+
+class ManifestError(CpfsError):
+    """A manifest does not parse or contradicts itself."""
+
+
+class ChunkUnavailable(CpfsError):
+    """No replica of a chunk could be read; the message names file, offset, chunk and stores."""
+
+
+class NotFound(CpfsError):
+    errno = errno.ENOENT
+
+
+class ReadOnly(CpfsError):
+    errno = errno.EROFS

@@ -1,0 +1,276 @@
+"""The readahead scheduler: turns a reader's small reads into parallel batch fetches.
+
+Per open file a `FileReader` watches the access pattern:
+- A file with a tensor index gets a *plan* at open: its chunks in the order a loader reads them (zip
+  directory, data.pkl, then the records in pickle order); prefetch starts at once with the full window.
+- Any other file is prefetched only once its reads look sequential, with a window that doubles, from
+  `readahead.initial` up to `readahead.max`, every time the reader consumes a prefetched chunk.
+- Every read fetches all the chunks it needs at once, and with a tensor index also the rest of every
+  tensor it touches, pinned, because the reader is about to read all of it.
+Prefetched chunks stay pinned in the cache until consumed (read past, or pushed to the kernel page cache
+by `on_chunk`), and a prefetch starts only if the window and the cache budget have room, so prefetch
+never evicts what the reader is about to read. Demand reads bypass the prefetch limiter, so they never
+queue behind prefetch. Closing the file cancels its prefetch.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from .cache import ChunkCache
+from .config import Config
+from .manifest import ChunkEntry, Manifest
+from .tensor_index import TensorIndex
+
+log = logging.getLogger(__name__)
+
+Fetch = Callable[[ChunkEntry, str], Awaitable[bytes]]
+OnChunk = Callable[[int, int, bytes], Awaitable[None]]   # (inode, file offset, data)
+SEQ_SLACK = 4 * 1024**2    # reads this far behind or ahead of the last one still count as sequential
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    open_files: int
+    demand_fetches: int      # chunk fetches a read waited for
+    prefetches: int          # chunk fetches started ahead of the reader
+    prefetch_failures: int
+    pushed: int              # chunks handed to the kernel page cache
+    inflight: int            # chunk fetches in flight now
+    peak_inflight: int       # most chunk fetches in flight at once
+
+
+def plan_for(manifest: Manifest, index: TensorIndex | None) -> list[int] | None:
+    """Chunk indices in the order a loader reads an indexed file; None without an index."""
+    if index is None or not manifest.chunks:
+        return None
+    seen: dict[int, None] = {}
+    for offset, length in index.read_order():
+        for i in manifest.chunk_range(offset, length):
+            seen.setdefault(i, None)
+    for i in range(len(manifest.chunks)):
+        seen.setdefault(i, None)
+    return list(seen)
+
+
+class Scheduler:
+    """Shared by every open file of a mount: the fetch limiter, the counters, the task owner."""
+
+    def __init__(self, cache: ChunkCache, fetch: Fetch, config: Config, on_chunk: OnChunk | None = None) -> None:
+        self.cache = cache
+        self.fetch = fetch
+        self.config = config
+        self.on_chunk = on_chunk
+        self.limiter = trio.CapacityLimiter(config.fetch_concurrency)
+        self._open = 0
+        self._demand = self._prefetches = self._failures = self._pushed = 0
+        self._inflight = self._peak = 0
+
+    def statistics(self) -> SchedulerStats:
+        return SchedulerStats(self._open, self._demand, self._prefetches, self._failures, self._pushed,
+                              self._inflight, self._peak)
+
+    async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
+                   inode: int = 0) -> "FileReader":
+        """A reader whose prefetch task lives in `nursery` until `aclose()`."""
+        reader = FileReader(self, manifest, index, inode)
+        await nursery.start(reader._run)
+        return reader
+
+    async def get_chunk(self, manifest: Manifest, i: int, *, pin: bool = False, demand: bool = True) -> bytes:
+        entry = manifest.chunks[i]
+        where = f"file {manifest.path} offset {manifest.offsets[i]} chunk {i} ({entry.digest[:16]})"
+
+        async def load() -> bytes:
+            if demand:
+                self._demand += 1
+            self._inflight += 1
+            self._peak = max(self._peak, self._inflight)
+            try:
+                return await self.fetch(entry, where)
+            finally:
+                self._inflight -= 1
+
+        return await self.cache.get(entry.digest, entry.raw_len, load, pin=pin)
+
+
+class FileReader:
+    def __init__(self, sched: Scheduler, manifest: Manifest, index: TensorIndex | None, inode: int) -> None:
+        self.sched = sched
+        self.m = manifest
+        self.index = index
+        self.inode = inode
+        cfg = sched.config
+        plan = plan_for(manifest, index)
+        self.planned = plan is not None
+        self.plan = plan if plan is not None else list(range(len(manifest.chunks)))
+        self.pos = {c: p for p, c in enumerate(self.plan)}
+        self.window = cfg.readahead_max if self.planned else 0
+        self.cursor = 0
+        self.max_end: int | None = None
+        self.ahead = 0                      # bytes prefetched (pinned or in flight) not yet consumed
+        self.pinned: set[int] = set()
+        self.inflight: set[int] = set()
+        self.pushed: set[int] = set()
+        self.closed = False
+        self._wake = trio.Event()
+        self._scope = trio.CancelScope()
+        self._nursery: trio.Nursery | None = None
+
+    # -- the per-file task ----------------------------------------------------------------------
+    async def _run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.sched._open += 1
+        try:
+            with self._scope:
+                async with trio.open_nursery() as n:
+                    self._nursery = n
+                    task_status.started()
+                    while True:
+                        self._fill()
+                        await self._wake.wait()
+                        self._wake = trio.Event()
+        finally:
+            self.sched._open -= 1
+            for i in self.pinned:
+                self.sched.cache.unpin(self.m.chunks[i].digest)
+            self.pinned.clear()
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    def _fill(self) -> None:
+        """Start prefetches along the plan while the window and the cache budget have room."""
+        cache = self.sched.cache
+        while self.cursor < len(self.plan) and self.window > 0:
+            i = self.plan[self.cursor]
+            entry = self.m.chunks[i]
+            if i in self.pinned or i in self.inflight or entry.digest in cache:
+                self.cursor += 1
+                continue
+            if self.ahead + entry.raw_len > self.window or not cache.room(entry.raw_len):
+                break
+            self._start_prefetch(i)
+            self.cursor += 1
+
+    def _start_prefetch(self, i: int) -> None:
+        assert self._nursery is not None
+        self.ahead += self.m.chunks[i].raw_len
+        self.inflight.add(i)
+        self.sched._prefetches += 1
+        self._nursery.start_soon(self._prefetch, i)
+
+    async def _prefetch(self, i: int) -> None:
+        try:
+            async with self.sched.limiter:
+                data = await self.sched.get_chunk(self.m, i, pin=True, demand=False)
+        except Exception as e:                # logged by the store pool; a demand read will report it
+            self.sched._failures += 1
+            log.debug("prefetch of %s chunk %d failed: %s", self.m.path, i, e)
+            self.ahead -= self.m.chunks[i].raw_len
+            return
+        finally:
+            self.inflight.discard(i)
+        self.pinned.add(i)
+        self._push(i, data)
+        self._kick()
+
+    def _push(self, i: int, data: bytes) -> None:
+        """Hand a whole chunk to the kernel page cache, once; the reader's later reads never reach us."""
+        if self.sched.on_chunk is None or i in self.pushed or self._nursery is None:
+            return
+        self.pushed.add(i)
+        self._nursery.start_soon(self._push_task, i, data)
+
+    async def _push_task(self, i: int, data: bytes) -> None:
+        assert self.sched.on_chunk is not None
+        try:
+            await self.sched.on_chunk(self.inode, self.m.offsets[i], data)
+        except Exception as e:
+            log.debug("page cache push of %s chunk %d failed: %s", self.m.path, i, e)
+            return
+        self.sched._pushed += 1
+        self._consume(i)
+
+    def _consume(self, i: int) -> None:
+        if i in self.pinned:
+            self.pinned.discard(i)
+            self.ahead -= self.m.chunks[i].raw_len
+            self.sched.cache.unpin(self.m.chunks[i].digest)
+            if not self.planned:
+                self.window = min(self.sched.config.readahead_max, max(self.sched.config.readahead_initial,
+                                                                      self.window * 2))
+            self._kick()
+
+    # -- reads ------------------------------------------------------------------------------------
+    def _observe(self, offset: int, end: int, chunks: range) -> None:
+        """Update the access pattern after a read of [offset, end) over `chunks`."""
+        seq = (offset == 0 and self.max_end is None) or (
+            self.max_end is not None and self.max_end - SEQ_SLACK <= offset <= self.max_end + SEQ_SLACK)
+        self.max_end = end if self.max_end is None or not seq else max(self.max_end, end)
+        last_pos = self.pos[chunks[-1]]
+        if self.planned or seq:
+            # Everything earlier in the plan is behind the reader now; the last chunk once read to its end.
+            for i in [i for i in self.pinned if self.pos[i] < last_pos]:
+                self._consume(i)
+            if end >= self.m.offsets[chunks[-1] + 1]:
+                self._consume(chunks[-1])
+        if not self.planned:
+            if seq:
+                self.window = max(self.window, self.sched.config.readahead_initial)
+                self.cursor = max(self.cursor, last_pos + 1)
+            else:
+                for i in list(self.pinned):
+                    self._consume(i)
+                self.window = 0
+                self.cursor = last_pos + 1
+        self._kick()
+
+    def _tensor_batch(self, offset: int, size: int, chunks: range) -> None:
+        """Prefetch the rest of every tensor this read touches: the reader will want all of it."""
+        if self.index is None:
+            return
+        cache = self.sched.cache
+        for t in self.index.tensors_overlapping(offset, size):
+            for i in self.m.chunk_range(t.offset, t.length):
+                e = self.m.chunks[i]
+                if i in chunks or i in self.pinned or i in self.inflight or e.digest in cache:
+                    continue
+                if not cache.room(e.raw_len):
+                    return
+                self._start_prefetch(i)
+
+    async def read(self, offset: int, size: int) -> bytes | memoryview:
+        """Bytes [offset, offset+size), short at end of file."""
+        if self.closed:
+            raise ValueError("read from a closed file")
+        end = min(offset + size, self.m.size)
+        chunks = self.m.chunk_range(offset, size)
+        if not chunks:
+            return b""
+        self._tensor_batch(offset, size, chunks)
+        datas: list[bytes] = [b""] * len(chunks)
+
+        async def one(k: int, i: int) -> None:
+            datas[k] = await self.sched.get_chunk(self.m, i)
+            self._push(i, datas[k])
+
+        if len(chunks) == 1:
+            await one(0, chunks[0])
+        else:
+            async with trio.open_nursery() as n:
+                for k, i in enumerate(chunks):
+                    n.start_soon(one, k, i)
+        self._observe(offset, end, chunks)
+        base = self.m.offsets[chunks[0]]
+        if len(chunks) == 1:
+            return memoryview(datas[0])[offset - base:end - base]
+        out = b"".join(datas)
+        return memoryview(out)[offset - base:end - base]
+
+    async def aclose(self) -> None:
+        """Stop this file's prefetch and release its pins."""
+        self.closed = True
+        self._scope.cancel()

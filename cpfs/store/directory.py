@@ -1,0 +1,115 @@
+"""A store that is a folder: local NVMe, NFS, Lustre.
+
+Objects are files named by their key. Puts write a unique temporary name, fsync it, rename it over the
+final name and fsync the folder, so a crash leaves either the old object or the new one. All blocking
+calls run in worker threads under this store's own limiter, so a slow mount never stalls the event loop.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from pathlib import Path
+
+import trio
+
+from ..errors import NoSuchObject, StoreError, StoreFull, StoreUnavailable
+from .base import Store
+
+TMP_SUFFIX = ".cpfs-tmp"
+
+
+class DirectoryStore(Store):
+    def __init__(self, name: str, root: Path, limiter: trio.CapacityLimiter | None = None) -> None:
+        self.name = name
+        self.root = Path(root)
+        self.limiter = limiter or trio.CapacityLimiter(8)
+
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or ".." in key.split("/") or "\0" in key:
+            raise StoreError(self.name, f"invalid key {key!r}")
+        return self.root / key
+
+    def _error(self, e: OSError, key: str) -> StoreError:
+        if e.errno == errno.ENOENT:
+            return NoSuchObject(self.name, f"no object {key!r}")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StoreFull(self.name, f"no space left writing {key!r} under {self.root}")
+        return StoreError(self.name, f"{key!r}: {e.strerror or e}")
+
+    async def _run(self, fn, *args):
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return await self._run(path.read_bytes)
+        except OSError as e:
+            raise self._error(e, key) from None
+
+    def _put_sync(self, path: Path, data: bytes | memoryview) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        path = self._path(key)
+        try:
+            await self._run(self._put_sync, path, data)
+        except OSError as e:
+            raise self._error(e, key) from None
+
+    async def exists(self, key: str) -> bool:
+        return await self._run(self._path(key).exists)
+
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            await self._run(lambda: path.unlink(missing_ok=True))
+        except OSError as e:
+            raise self._error(e, key) from None
+
+    def _list_sync(self, prefix: str) -> list[str]:
+        head, _, _ = prefix.rpartition("/")
+        start = self.root / head if head else self.root
+        out = []
+        for dirpath, _dirs, files in os.walk(start):
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel + "/"
+            out.extend(rel + f for f in files if not f.endswith(TMP_SUFFIX) and (rel + f).startswith(prefix))
+        return sorted(out)
+
+    async def list(self, prefix: str) -> list[str]:
+        try:
+            return await self._run(self._list_sync, prefix)
+        except OSError as e:
+            raise self._error(e, prefix) from None
+
+    def _check_sync(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        probe = self.root / f".probe.{uuid.uuid4().hex}{TMP_SUFFIX}"
+        probe.write_bytes(b"")
+        probe.unlink()
+
+    async def check(self) -> None:
+        try:
+            await self._run(self._check_sync)
+        except OSError as e:
+            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {e.strerror or e}") from None

@@ -1,0 +1,55 @@
+"""A wrapper that makes a store behave like a remote one: per-request latency, per-store bandwidth.
+
+Used by tests and benchmarks (`latency`/`bandwidth` keys of a [[store]]) so that the readahead
+scheduler's parallelism shows on one machine. Bandwidth is a shared link: transfers queue on it.
+"""
+from __future__ import annotations
+
+import trio
+
+from .base import Store
+
+
+class ThrottledStore(Store):
+    def __init__(self, inner: Store, latency: float = 0.0, bandwidth: float | None = None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.latency = latency
+        self.bandwidth = bandwidth
+        self._link_free_at = 0.0
+
+    async def _delay(self, nbytes: int) -> None:
+        now = trio.current_time()
+        done = now + self.latency
+        if self.bandwidth:
+            start = max(now, self._link_free_at)
+            self._link_free_at = start + nbytes / self.bandwidth
+            done = max(done, self._link_free_at)
+        await trio.sleep_until(done)
+
+    async def get(self, key: str) -> bytes:
+        data = await self.inner.get(key)
+        await self._delay(len(data))
+        return data
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        await self._delay(len(data))
+        await self.inner.put(key, data)
+
+    async def exists(self, key: str) -> bool:
+        await self._delay(0)
+        return await self.inner.exists(key)
+
+    async def delete(self, key: str) -> None:
+        await self._delay(0)
+        await self.inner.delete(key)
+
+    async def list(self, prefix: str) -> list[str]:
+        await self._delay(0)
+        return await self.inner.list(prefix)
+
+    async def check(self) -> None:
+        await self.inner.check()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
