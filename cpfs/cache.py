@@ -54,7 +54,7 @@ class ChunkCache:
         self.budget = budget
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._flights: dict[str, _Flight] = {}
-        self._used = self._inflight = self._pinned = self._peak = 0
+        self._used = self._inflight = self._pinned = self._reserved = self._peak = 0
         self._hits = self._misses = self._joined = self._evictions = self._loaded = 0
 
     def statistics(self) -> CacheStats:
@@ -71,12 +71,26 @@ class ChunkCache:
 
     def room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in the budget if every unpinned entry were evicted."""
-        return self._pinned + self._inflight + nbytes <= self.budget
+        return self._pinned + self._inflight + self._reserved + nbytes <= self.budget
+
+    def reserve(self, nbytes: int) -> bool:
+        """Claim room for a prefetch that will call `get(..., reserved=True)`; False if it does not fit.
+        Prefetches queue on a limiter before they fetch: without the claim they would all see room."""
+        if not self.room(nbytes):
+            return False
+        self._reserved += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation that will not be used."""
+        self._reserved -= nbytes
 
     async def get(self, key: str, size: int, loader: Callable[[], Awaitable[bytes]], *,
-                  pin: bool = False) -> bytes:
+                  pin: bool = False, reserved: bool = False) -> bytes:
         """The chunk's bytes, loading it at most once however many tasks ask at the same time.
-        With pin=True the entry stays until `unpin(key)`."""
+        With pin=True the entry stays until `unpin(key)`; reserved=True hands over a `reserve(size)`."""
+        if reserved:
+            self._reserved -= size
         while True:
             entry = self._entries.get(key)
             if entry is not None:
@@ -117,6 +131,7 @@ class ChunkCache:
         flight.pins = int(pin)
         self._misses += 1
         self._inflight += size
+        self._evict()
         self._note_peak()
         try:
             data = await loader()

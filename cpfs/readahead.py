@@ -80,7 +80,8 @@ class Scheduler:
         await nursery.start(reader._run)
         return reader
 
-    async def get_chunk(self, manifest: Manifest, i: int, *, pin: bool = False, demand: bool = True) -> bytes:
+    async def get_chunk(self, manifest: Manifest, i: int, *, pin: bool = False, demand: bool = True,
+                        reserved: bool = False) -> bytes:
         entry = manifest.chunks[i]
         where = f"file {manifest.path} offset {manifest.offsets[i]} chunk {i} ({entry.digest[:16]})"
 
@@ -94,7 +95,7 @@ class Scheduler:
             finally:
                 self._inflight -= 1
 
-        return await self.cache.get(entry.digest, entry.raw_len, load, pin=pin)
+        return await self.cache.get(entry.digest, entry.raw_len, load, pin=pin, reserved=reserved)
 
 
 class FileReader:
@@ -150,7 +151,7 @@ class FileReader:
             if i in self.pinned or i in self.inflight or entry.digest in cache:
                 self.cursor += 1
                 continue
-            if self.ahead + entry.raw_len > self.window or not cache.room(entry.raw_len):
+            if self.ahead + entry.raw_len > self.window or not cache.reserve(entry.raw_len):
                 break
             self._start_prefetch(i)
             self.cursor += 1
@@ -163,15 +164,21 @@ class FileReader:
         self._nursery.start_soon(self._prefetch, i)
 
     async def _prefetch(self, i: int) -> None:
+        """Fetch chunk i into the cache, pinned; the caller reserved room for it, which `get` takes over."""
         try:
-            async with self.sched.limiter:
-                data = await self.sched.get_chunk(self.m, i, pin=True, demand=False)
+            await self.sched.limiter.acquire()
+        except BaseException:
+            self.sched.cache.release(self.m.chunks[i].raw_len)
+            raise
+        try:
+            data = await self.sched.get_chunk(self.m, i, pin=True, demand=False, reserved=True)
         except Exception as e:                # logged by the store pool; a demand read will report it
             self.sched._failures += 1
             log.debug("prefetch of %s chunk %d failed: %s", self.m.path, i, e)
             self.ahead -= self.m.chunks[i].raw_len
             return
         finally:
+            self.sched.limiter.release()
             self.inflight.discard(i)
         self.pinned.add(i)
         self._push(i, data)
@@ -238,7 +245,7 @@ class FileReader:
                 e = self.m.chunks[i]
                 if i in chunks or i in self.pinned or i in self.inflight or e.digest in cache:
                     continue
-                if not cache.room(e.raw_len):
+                if not cache.reserve(e.raw_len):
                     return
                 self._start_prefetch(i)
 

@@ -1,0 +1,119 @@
+"""The chunk cache with a fake loader: budget, LRU, single-flight, pins, errors, cancellation."""
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from cpfs.cache import ChunkCache
+
+
+def loader_for(data: bytes, calls: list[str], key: str, delay: float = 0.0):
+    async def load() -> bytes:
+        calls.append(key)
+        await trio.sleep(delay)
+        return data
+    return load
+
+
+async def test_hit_after_miss_and_lru_eviction_within_budget():
+    cache = ChunkCache(budget=300)
+    calls: list[str] = []
+    for k in "abc":
+        assert await cache.get(k, 100, loader_for(k.encode() * 100, calls, k)) == k.encode() * 100
+    assert await cache.get("a", 100, loader_for(b"x", calls, "a")) == b"a" * 100   # hit, refreshes a
+    await cache.get("d", 100, loader_for(b"d" * 100, calls, "d"))                  # evicts b (LRU)
+    assert "b" not in cache and "a" in cache and "d" in cache
+    s = cache.statistics()
+    assert (s.hits, s.misses, s.evictions, s.used) == (1, 4, 1, 300)
+    assert calls == ["a", "b", "c", "d"]
+
+
+async def test_concurrent_misses_of_one_chunk_fetch_once(autojump_clock):
+    cache = ChunkCache(budget=1000)
+    calls: list[str] = []
+    results = []
+
+    async def reader():
+        results.append(await cache.get("k", 10, loader_for(b"0123456789", calls, "k", delay=1)))
+
+    async with trio.open_nursery() as n:
+        for _ in range(10):
+            n.start_soon(reader)
+    assert calls == ["k"]
+    assert results == [b"0123456789"] * 10
+    assert cache.statistics().joined == 9
+
+
+async def test_pinned_entries_survive_eviction_and_room_accounts_for_them():
+    cache = ChunkCache(budget=200)
+    calls: list[str] = []
+    await cache.get("p", 100, loader_for(b"p" * 100, calls, "p"), pin=True)
+    assert cache.room(100) and not cache.room(101)
+    await cache.get("a", 100, loader_for(b"a" * 100, calls, "a"))
+    await cache.get("b", 100, loader_for(b"b" * 100, calls, "b"))
+    assert "p" in cache and "a" not in cache
+    cache.unpin("p")
+    await cache.get("c", 100, loader_for(b"c" * 100, calls, "c"))
+    assert "p" not in cache
+    assert cache.statistics().pinned == 0
+
+
+async def test_loader_error_reaches_every_waiter_and_is_not_cached(autojump_clock):
+    cache = ChunkCache(budget=100)
+
+    async def bad() -> bytes:
+        await trio.sleep(1)
+        raise OSError("boom")
+
+    errors = []
+
+    async def reader():
+        try:
+            await cache.get("k", 10, bad)
+        except OSError as e:
+            errors.append(e)
+
+    async with trio.open_nursery() as n:
+        for _ in range(3):
+            n.start_soon(reader)
+    assert len(errors) == 3
+    assert "k" not in cache and cache.statistics().inflight == 0
+
+
+async def test_cancelled_fetch_lets_a_waiter_fetch_again(autojump_clock):
+    cache = ChunkCache(budget=100)
+    calls: list[str] = []
+    got = []
+    async with trio.open_nursery() as n:
+        first = trio.CancelScope()
+
+        async def first_reader():
+            with first:
+                await cache.get("k", 3, loader_for(b"abc", calls, "k", delay=10))
+
+        async def second_reader():
+            got.append(await cache.get("k", 3, loader_for(b"abc", calls, "k", delay=10)))
+
+        n.start_soon(first_reader)
+        await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(second_reader)
+        await trio.testing.wait_all_tasks_blocked()
+        first.cancel()
+    assert got == [b"abc"] and calls == ["k", "k"]
+    assert cache.statistics().inflight == 0
+
+
+async def test_clear_drops_unpinned_only():
+    cache = ChunkCache(budget=1000)
+    await cache.get("a", 1, loader_for(b"a", [], "a"))
+    await cache.get("b", 1, loader_for(b"b", [], "b"), pin=True)
+    cache.clear()
+    assert "a" not in cache and "b" in cache
+
+
+@pytest.mark.parametrize("budget", [0, 50])
+async def test_demand_reads_work_even_when_budget_is_tiny(budget):
+    cache = ChunkCache(budget=budget)
+    assert await cache.get("a", 100, loader_for(b"a" * 100, [], "a")) == b"a" * 100
+    assert cache.statistics().used == 0

@@ -1,0 +1,257 @@
+"""The readahead scheduler without a mount: fake stores with injected latency, exact virtual time."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from cpfs.cache import ChunkCache
+from cpfs.chunk import chunk_hash
+from cpfs.config import parse_config
+from cpfs.errors import ChunkUnavailable
+from cpfs.manifest import ChunkEntry, Manifest
+from cpfs.readahead import Scheduler, plan_for
+from cpfs.tensor_index import Record, TensorEntry, TensorIndex
+
+CHUNK = 64 * 1024
+
+
+def config(cache: str = "4MiB", initial: int = 4 * CHUNK, max: int = 32 * CHUNK, concurrency: int = 16):
+    text = (f'replicas = 1\nchunk_size = "64KiB"\n[cache]\nmemory = "{cache}"\n[readahead]\n'
+            f'initial = {initial}\nmax = {max}\nconcurrency = {concurrency}\n'
+            f'[[store]]\nname = "s"\nurl = "/nonexistent"\n')
+    return parse_config(text, "test", Path("/"))
+
+
+class FakeStore:
+    """Chunks by digest, each fetch taking `latency` seconds of (virtual) time; records what it served."""
+
+    def __init__(self, latency: float = 0.008, hang: set[str] = frozenset()) -> None:
+        self.latency = latency
+        self.hang = hang          # digests whose fetch never completes
+        self.blobs: dict[str, bytes] = {}
+        self.log: list[tuple[float, str, str]] = []    # (time, event, digest)
+        self.inflight = self.peak = 0
+        self.cancelled = 0
+
+    async def fetch(self, entry: ChunkEntry, where: str) -> bytes:
+        self.log.append((trio.current_time(), "start", entry.digest))
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+        try:
+            await trio.sleep(self.latency)
+            if entry.digest in self.hang:
+                await trio.sleep_forever()
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+        finally:
+            self.inflight -= 1
+        return self.blobs[entry.digest]
+
+
+def make_file(store: FakeStore, n: int, index: dict | None = None, seed: int = 0) -> tuple[Manifest, bytes]:
+    rng = random.Random(seed)
+    data = rng.randbytes(n * CHUNK)
+    chunks = []
+    for i in range(n):
+        piece = data[i * CHUNK:(i + 1) * CHUNK]
+        d = chunk_hash(piece)
+        store.blobs[d] = piece
+        chunks.append(ChunkEntry(d, CHUNK, CHUNK, "raw", ("s",)))
+    return Manifest("/f", len(data), 0, 0o644, CHUNK, tuple(chunks), 1, index), data
+
+
+async def read_all(reader, size: int, step: int = 16 * 1024) -> bytes:
+    out = bytearray()
+    for off in range(0, size, step):
+        out += await reader.read(off, step)
+    return bytes(out)
+
+
+async def test_sequential_read_of_64_chunks_runs_fetches_in_parallel(autojump_clock):
+    store = FakeStore(latency=0.008)
+    m, data = make_file(store, 64)
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config())
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, None)
+        t0 = trio.current_time()
+        got = await read_all(reader, m.size)
+        elapsed = trio.current_time() - t0
+        await reader.aclose()
+    assert got == data
+    serial = 64 * 0.008
+    print(f"sequential 64 x 8 ms: {elapsed * 1000:.0f} ms ({elapsed / serial:.2f} of serial), "
+          f"peak concurrency {store.peak}, {sched.statistics()}")
+    assert elapsed < serial / 4
+    assert store.peak >= 8
+    assert sched.statistics().prefetches >= 50
+    assert len(store.log) == 64          # every chunk fetched exactly once
+
+
+async def test_window_grows_from_initial_to_max(autojump_clock):
+    store = FakeStore(latency=0.008)
+    m, _ = make_file(store, 64)
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(initial=2 * CHUNK, max=8 * CHUNK))
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, None)
+        windows = []
+        for off in range(0, m.size, CHUNK):
+            await reader.read(off, CHUNK)
+            windows.append(reader.window)
+        await reader.aclose()
+    assert windows[0] == 2 * CHUNK
+    assert max(windows) == 8 * CHUNK
+    assert windows == sorted(windows)
+
+
+async def test_prefetch_never_exceeds_cache_budget(autojump_clock):
+    store = FakeStore(latency=0.004)
+    m, data = make_file(store, 64)
+    cache = ChunkCache(8 * CHUNK)
+    sched = Scheduler(cache, store.fetch, config(max=32 * CHUNK))
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, None)
+        out = bytearray()
+        for off in range(0, m.size, 16 * 1024):
+            out += await reader.read(off, 16 * 1024)
+            await trio.sleep(0.001)             # a slow consumer: prefetch would like to run far ahead
+            assert cache.statistics().used + cache.statistics().inflight <= cache.budget
+        await reader.aclose()
+    assert bytes(out) == data
+    assert cache.statistics().peak_used <= cache.budget
+
+
+async def test_closing_cancels_prefetch_and_releases_pins(autojump_clock):
+    store = FakeStore(latency=0.001)
+    m, _ = make_file(store, 64)
+    store.hang = {c.digest for c in m.chunks[2:]}
+    cache = ChunkCache(64 * CHUNK)
+    sched = Scheduler(cache, store.fetch, config())
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, None)
+        await reader.read(0, CHUNK)
+        await reader.read(CHUNK, CHUNK)
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.inflight > 0               # prefetches are running
+        await reader.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.inflight == 0 and store.cancelled > 0
+    assert sched.statistics().open_files == 0
+    assert cache.statistics().pinned == 0 and cache.statistics().inflight == 0
+
+
+def tensor_index(m: Manifest) -> TensorIndex:
+    """An index of 4 tensors of 8 chunks each, in file order."""
+    tensors = tuple(TensorEntry(f"t{k}", "float32", (8 * CHUNK // 4,), (1,), str(k), k * 8 * CHUNK, 8 * CHUNK)
+                    for k in range(4))
+    records = tuple(Record(f"archive/data/{k}", t.offset, t.length) for k, t in enumerate(tensors))
+    return TensorIndex("torch-zip", records, tensors)
+
+
+async def test_scattered_read_of_one_tensor_fetches_its_chunks_as_one_batch(autojump_clock):
+    store = FakeStore(latency=0.008)
+    m, data = make_file(store, 32)
+    index = tensor_index(m)
+    # A window smaller than a chunk keeps open-time prefetch out of the way: only the batch remains.
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=CHUNK // 2))
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        t0 = trio.current_time()
+        assert await reader.read(16 * CHUNK + 100, 4096) == data[16 * CHUNK + 100:16 * CHUNK + 4196]
+        await trio.testing.wait_all_tasks_blocked()
+        starts = {d: t for t, ev, d in store.log if ev == "start"}
+        tensor2 = {m.chunks[i].digest for i in range(16, 24)}
+        assert set(starts) == tensor2               # exactly the touched tensor's chunks
+        assert all(t == t0 for t in starts.values())  # all started at once: one batch
+        before = len(store.log)
+        assert await read_all_range(reader, 16 * CHUNK, 8 * CHUNK) == data[16 * CHUNK:24 * CHUNK]
+        assert len(store.log) == before             # the rest of the tensor was already there
+        await reader.aclose()
+
+
+async def read_all_range(reader, off: int, length: int) -> bytes:
+    return bytes(await reader.read(off, length))
+
+
+async def test_indexed_file_is_planned_in_loader_order_at_open(autojump_clock):
+    store = FakeStore(latency=0.008)
+    m, data = make_file(store, 32)
+    index = tensor_index(m)
+    plan = plan_for(m, index)
+    assert sorted(plan) == list(range(32))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=64 * CHUNK))
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.inflight == 16             # the whole plan in flight, bounded by fetch concurrency
+        await trio.sleep(1)
+        assert len(store.log) == 32             # the whole file arrived before the first read
+        assert await read_all(reader, m.size) == data
+        assert len(store.log) == 32
+        await reader.aclose()
+
+
+async def test_demand_reads_do_not_queue_behind_prefetch(autojump_clock):
+    store = FakeStore(latency=0.008)
+    m, data = make_file(store, 64)
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=64 * CHUNK, concurrency=2))
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, tensor_index(make_file(FakeStore(), 64)[0]))
+        await trio.testing.wait_all_tasks_blocked()
+        t0 = trio.current_time()
+        assert await reader.read(60 * CHUNK, 100) == data[60 * CHUNK:60 * CHUNK + 100]
+        assert trio.current_time() - t0 <= 0.008 + 1e-9   # one fetch latency, not behind 2-wide prefetch
+        await reader.aclose()
+
+
+async def test_failing_replica_falls_back_to_the_other(tmp_path, caplog):
+    """Through the real StorePool: one store's copy is corrupt, the read still returns the right bytes."""
+    from cpfs.catalog import Catalog
+    from cpfs.config import load_config
+    from cpfs.importer import Importer
+    from cpfs.pool import StorePool
+    from tests.conftest import write_config
+
+    cfg = load_config(write_config(tmp_path, stores=2, replicas=2, chunk_size="64KiB"))
+    src = tmp_path / "f.bin"
+    payload = random.Random(1).randbytes(5 * CHUNK)
+    src.write_bytes(payload)
+    pool = StorePool(cfg)
+    [m] = await Importer(pool, Catalog(pool)).put(src, "f.bin")
+    victim = m.chunks[2]
+    bad = tmp_path / "stores" / victim.stores[0] / "chunks" / victim.digest[:2] / victim.digest
+    blob = bytearray(bad.read_bytes())
+    blob[-1] ^= 0xFF
+    bad.write_bytes(bytes(blob))
+    sched = Scheduler(ChunkCache(cfg.cache_memory), pool.fetch_chunk, cfg)
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, None)
+        # Make the corrupt store look least busy so it is tried first.
+        pool._load[victim.stores[1]].outstanding += 100
+        got = await read_all(reader, m.size)
+        pool._load[victim.stores[1]].outstanding -= 100
+        await reader.aclose()
+    assert got == payload
+    assert any("corrupt replica" in r.message and victim.stores[0] in r.message and "offset 131072" in r.message
+               for r in caplog.records)
+
+
+async def test_no_replica_gives_chunk_unavailable_naming_file_offset_chunk_and_stores(tmp_path):
+    store = FakeStore()
+    m, _ = make_file(store, 4)
+
+    async def broken(entry: ChunkEntry, where: str) -> bytes:
+        raise ChunkUnavailable(f"{where}: no replica (stores {', '.join(entry.stores)})")
+
+    sched = Scheduler(ChunkCache(64 * CHUNK), broken, config())
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, None)
+        try:
+            await reader.read(2 * CHUNK + 5, 10)
+        except ChunkUnavailable as e:
+            msg = str(e)
+        await reader.aclose()
+    assert "file /f" in msg and f"offset {2 * CHUNK}" in msg and "chunk 2" in msg and "stores s" in msg
