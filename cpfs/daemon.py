@@ -35,12 +35,16 @@ class MountError(CpfsError):
 
 
 def check_mountpoint(mountpoint: Path) -> None:
+    """Refuse, with what to do, a missing, busy or stale mountpoint before anything starts."""
+    stale = MountError(f"{mountpoint}: a stale mount left by a killed daemon; "
+                       f"run 'fusermount3 -u {mountpoint}' and mount again")
     try:
-        st = os.stat(mountpoint)
+        os.stat(mountpoint)
+        if os.path.ismount(mountpoint):
+            os.listdir(mountpoint)      # attributes may be cached by the kernel; a listing is not
     except OSError as e:
         if e.errno == errno.ENOTCONN:
-            raise MountError(f"{mountpoint}: a stale mount left by a killed daemon; "
-                             f"run 'fusermount3 -u {mountpoint}' and mount again") from None
+            raise stale from None
         if e.errno == errno.ENOENT:
             raise MountError(f"{mountpoint}: no such folder; create it first (mkdir -p {mountpoint})") from None
         raise MountError(f"{mountpoint}: {e.strerror}") from None
@@ -49,7 +53,6 @@ def check_mountpoint(mountpoint: Path) -> None:
     if os.path.ismount(mountpoint):
         raise MountError(f"{mountpoint}: something is mounted there already; "
                          f"unmount it first (fusermount3 -u {mountpoint})")
-    del st
 
 
 def _set_kernel_readahead(mountpoint: Path, kb: int) -> None:

@@ -1,0 +1,256 @@
+"""Through a real mount: bytes, torch.load, safetensors, concurrency, errors, mount lifecycle."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, cpfs, write_config
+
+pytestmark = pytest.mark.mount
+
+
+def sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def state_dict(seed: int = 0, layers: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {"embed.weight": torch.randn(2048, 256, generator=g).to(torch.bfloat16)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        sd[p + "attn.qkv.weight"] = torch.randn(768, 256, generator=g).to(torch.bfloat16)
+        sd[p + "mlp.up.weight"] = torch.randn(1024, 256, generator=g).to(torch.bfloat16)
+        sd[p + "norm.weight"] = torch.ones(256)
+        sd[p + "exp_avg"] = torch.zeros(1024, 256)
+    sd["step"] = torch.tensor(100)
+    return sd
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    """A folder of files of every shape: checkpoints, safetensors, odd sizes, empty, nested."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    (src / "run1" / "deep" / "er").mkdir(parents=True)
+    torch.save(state_dict(0), src / "run1" / "step_100.pt")
+    torch.save(state_dict(1), src / "run1" / "step_200.pt")
+    save_file({k: v.contiguous() for k, v in state_dict(2).items()}, src / "run1" / "model.safetensors")
+    rng = random.Random(3)
+    (src / "run1" / "deep" / "er" / "odd.bin").write_bytes(rng.randbytes(3 * 1024 * 1024 + 12345))
+    (src / "run1" / "empty").write_bytes(b"")
+    (src / "tiny.txt").write_bytes(b"hello\n")
+    return src
+
+
+@pytest.fixture
+def imported(make_config, source: Path) -> Path:
+    cfg = make_config()
+    cpfs("put", str(source / "run1"), "run1", config=cfg)
+    cpfs("put", str(source / "tiny.txt"), config=cfg)
+    return cfg
+
+
+def test_every_file_reads_back_byte_exact(imported, source, mount):
+    m = mount(imported)
+    for f in sorted(p for p in source.rglob("*") if p.is_file()):
+        rel = f.relative_to(source)
+        assert sha(m.path / rel) == sha(f), rel
+        st = (m.path / rel).stat()
+        assert st.st_size == f.stat().st_size and st.st_mtime_ns == f.stat().st_mtime_ns
+    assert sorted(os.listdir(m.path)) == ["run1", "tiny.txt"]
+    assert sorted(os.listdir(m.path / "run1")) == ["deep", "empty", "model.safetensors", "step_100.pt",
+                                                   "step_200.pt"]
+    # The tools users reach for.
+    out = subprocess.run(["sha256sum", str(m.path / "run1" / "step_100.pt")], capture_output=True, text=True)
+    assert out.stdout.split()[0] == sha(source / "run1" / "step_100.pt")
+    dst = m.path.parent / "copy.bin"
+    shutil.copyfile(m.path / "run1" / "deep" / "er" / "odd.bin", dst)
+    assert dst.read_bytes() == (source / "run1" / "deep" / "er" / "odd.bin").read_bytes()
+    dd = subprocess.run(["dd", f"if={m.path / 'run1/deep/er/odd.bin'}", "bs=1M", "skip=1", "count=1",
+                         "status=none"], capture_output=True)
+    assert dd.stdout == (source / "run1/deep/er/odd.bin").read_bytes()[1 << 20:2 << 20]
+
+
+def test_torch_load_equals_originals_plain_and_mmap(imported, source, mount):
+    m = mount(imported)
+    for name, seed in (("step_100.pt", 0), ("step_200.pt", 1)):
+        want = state_dict(seed)
+        for use_mmap in (False, True):
+            got = torch.load(m.path / "run1" / name, weights_only=True, mmap=use_mmap)
+            assert got.keys() == want.keys()
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (name, k, use_mmap)
+
+
+def test_mmap_of_a_mounted_file(imported, source, mount):
+    m = mount(imported)
+    src = (source / "run1/deep/er/odd.bin").read_bytes()
+    with open(m.path / "run1/deep/er/odd.bin", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        for off in (0, 4095, 1 << 20, len(src) - 10):
+            assert mm[off:off + 10] == src[off:off + 10]
+
+
+def test_safetensors_random_tensors(imported, mount):
+    from safetensors import safe_open
+
+    m = mount(imported)
+    want = state_dict(2)
+    keys = list(want)
+    random.Random(5).shuffle(keys)
+    with safe_open(str(m.path / "run1" / "model.safetensors"), framework="pt") as f:
+        for k in keys[:10]:
+            assert torch.equal(f.get_tensor(k), want[k]), k
+
+
+def test_sixteen_threads_of_random_preads(imported, source, mount):
+    m = mount(imported)
+    src = (source / "run1" / "step_200.pt").read_bytes()
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        fd = os.open(m.path / "run1" / "step_200.pt", os.O_RDONLY)
+        try:
+            for _ in range(200):
+                off = rng.randrange(len(src))
+                n = rng.choice((1, 100, 4096, 65536, 1 << 20, 3 << 20))
+                if os.pread(fd, n, off) != src[off:off + n]:
+                    errors.append(f"thread {seed}: offset {off} length {n}")
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+
+
+LOAD = """
+import sys, torch
+sd = torch.load(sys.argv[1], weights_only=True)
+torch.save(sd, sys.argv[2])
+"""
+
+
+def test_two_processes_load_the_same_checkpoint_at_once(imported, mount, tmp_path):
+    m = mount(imported)
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD, str(m.path / "run1/step_100.pt"),
+                               str(tmp_path / f"out{i}.pt")]) for i in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    want = state_dict(0)
+    for i in range(2):
+        got = torch.load(tmp_path / f"out{i}.pt", weights_only=True)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_writes_are_refused_with_erofs(imported, mount):
+    m = mount(imported)
+    for action in (lambda: open(m.path / "new.bin", "wb"), lambda: open(m.path / "tiny.txt", "ab"),
+                   lambda: os.mkdir(m.path / "d"), lambda: os.unlink(m.path / "tiny.txt")):
+        with pytest.raises(OSError) as e:
+            action()
+        assert e.value.errno == errno.EROFS
+    with pytest.raises(FileNotFoundError):
+        (m.path / "nope").stat()
+
+
+def test_lost_chunk_gives_eio_and_a_log_line_naming_file_offset_chunk_and_stores(imported, mount, tmp_path):
+    info = cpfs("inspect", "--json", "run1/deep/er/odd.bin", config=imported).stdout
+    import json
+
+    doc = json.loads(info)
+    digest, raw_len, _, _, stores = doc["chunks"][1]
+    for s in stores:
+        (imported.parent / "stores" / s / "chunks" / digest[:2] / digest).unlink()
+    m = mount(imported)
+    fd = os.open(m.path / "run1/deep/er/odd.bin", os.O_RDONLY)
+    try:
+        assert len(os.pread(fd, 4096, 0)) == 4096                     # chunk 0 is fine
+        with pytest.raises(OSError) as e:
+            os.pread(fd, 4096, doc["chunks"][0][1] + 10)              # inside chunk 1
+        assert e.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    log = m.log.read_text()
+    line = next(ln for ln in log.splitlines() if "no replica of chunk" in ln)
+    assert "/run1/deep/er/odd.bin" in line and f"offset {doc['chunks'][0][1]}" in line
+    assert "chunk 1" in line and digest[:16] in line and all(s in line for s in stores)
+
+
+def test_unmount_ends_the_daemon_with_status_zero(imported, tmp_path):
+    """Foreground daemon: fusermount3 -u ends it (exit 0); so does SIGTERM, which also unmounts."""
+    mp = tmp_path / "fg"
+    mp.mkdir()
+    for how in ("fusermount", "sigterm"):
+        proc = subprocess.Popen([sys.executable, str(ROOT / "mount.py"), "--config", str(imported), str(mp),
+                                 "--foreground", "--log-file", str(tmp_path / "fg.log")])
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.ismount(mp):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            assert (mp / "tiny.txt").read_bytes() == b"hello\n"
+            if how == "fusermount":
+                subprocess.run(["fusermount3", "-u", str(mp)], check=True)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert not os.path.ismount(mp)
+        finally:
+            if proc.poll() is None:
+                subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True)
+                proc.kill()
+                proc.wait()
+
+
+def test_mount_errors_are_one_clear_line_and_leave_nothing_mounted(imported, tmp_path, mount):
+    def attempt(config: Path, mp: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "mount.py"), "--config", str(config), str(mp),
+                               "--log-file", str(tmp_path / "err.log")], capture_output=True, text=True,
+                              timeout=60)
+
+    r = attempt(imported, tmp_path / "missing")
+    assert r.returncode != 0 and "no such folder" in r.stderr and "mkdir" in r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text(imported.read_text() + "\nbogus = 1\n")
+    (tmp_path / "mp").mkdir()
+    r = attempt(bad, tmp_path / "mp")
+    assert r.returncode == 2 and "bogus" in r.stderr and str(bad) in r.stderr
+    assert not os.path.ismount(tmp_path / "mp")
+    # A store that cannot be used: its folder is a file.
+    unreachable = write_config(tmp_path / "u")
+    (tmp_path / "u" / "stores").mkdir(parents=True)
+    (tmp_path / "u" / "stores" / "s1").write_text("not a folder")
+    r = attempt(unreachable, tmp_path / "mp")
+    assert r.returncode == 1 and "'s1'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not os.path.ismount(tmp_path / "mp")
+    # Busy: something is mounted there already.
+    m = mount(imported)
+    r = attempt(imported, m.path)
+    assert r.returncode == 1 and "mounted there already" in r.stderr
+    # Stale: the daemon was killed (we started it: kill it by its pid).
+    os.kill(m.pid, signal.SIGKILL)
+    while m.alive():
+        time.sleep(0.05)
+    r = attempt(imported, m.path)
+    assert r.returncode == 1 and "stale mount" in r.stderr and "fusermount3 -u" in r.stderr
