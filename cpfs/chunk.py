@@ -29,10 +29,13 @@ CODEC_RAW = 0
 CODEC_LZ4 = 1
 CODECS = {"raw": CODEC_RAW, "lz4": CODEC_LZ4}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
-_HEADER = struct.Struct("<4sBBHQQ8x")
+_HEADER = struct.Struct("<4sBBHQQQ")
 HEADER_SIZE = _HEADER.size
 # lz4 must save at least this fraction to be worth a decompression on every read.
 MIN_SAVING = 1 / 16
+# An lz4 block never expands more than this (255 bytes of match per byte), so a larger raw length is a
+# corrupt header, not a reason to allocate gigabytes.
+LZ4_MAX_RATIO = 255
 
 
 def chunk_hash(data: bytes | memoryview) -> str:
@@ -67,28 +70,33 @@ def encode(data: bytes | memoryview, compression: str = "lz4", digest: str | Non
         packed = lz4.block.compress(raw, store_size=False)
         if len(packed) <= len(raw) * (1 - MIN_SAVING):
             payload, codec = packed, CODEC_LZ4
-    header = _HEADER.pack(MAGIC, VERSION, codec, 0, len(raw), len(payload))
+    header = _HEADER.pack(MAGIC, VERSION, codec, 0, len(raw), len(payload), 0)
     return EncodedChunk(digest, len(raw), CODEC_NAMES[codec], header + bytes(payload))
 
 
-def decode(blob: bytes, digest: str) -> bytes:
+def decode(blob: bytes, digest: str) -> bytes | memoryview:
     """Raw bytes of a stored chunk, verified against its name. Blocking: call from a worker thread."""
     if len(blob) < HEADER_SIZE:
         raise CorruptChunk(f"chunk {digest[:16]}: {len(blob)} bytes is shorter than its header")
-    magic, version, codec, _, raw_len, payload_len = _HEADER.unpack_from(blob)
+    magic, version, codec, reserved, raw_len, payload_len, reserved2 = _HEADER.unpack_from(blob)
     if magic != MAGIC or version != VERSION:
         raise CorruptChunk(f"chunk {digest[:16]}: bad magic or version ({magic!r}, {version})")
+    if reserved or reserved2:
+        raise CorruptChunk(f"chunk {digest[:16]}: reserved header bytes are not zero")
     if payload_len != len(blob) - HEADER_SIZE:
         raise CorruptChunk(f"chunk {digest[:16]}: payload is {len(blob) - HEADER_SIZE} bytes, "
                            f"header says {payload_len}")
     payload = memoryview(blob)[HEADER_SIZE:]
     if codec == CODEC_LZ4:
+        if raw_len > LZ4_MAX_RATIO * payload_len:
+            raise CorruptChunk(f"chunk {digest[:16]}: raw length {raw_len} is impossible for a "
+                               f"{payload_len}-byte lz4 payload")
         try:
             raw = lz4.block.decompress(payload, uncompressed_size=raw_len)
         except lz4.block.LZ4BlockError as e:
             raise CorruptChunk(f"chunk {digest[:16]}: lz4 payload does not decompress: {e}") from None
     elif codec == CODEC_RAW:
-        raw = blob[HEADER_SIZE:]
+        raw = payload                     # no copy: the cache holds the stored blob
     else:
         raise CorruptChunk(f"chunk {digest[:16]}: unknown codec {codec}")
     if len(raw) != raw_len or chunk_hash(raw) != digest:

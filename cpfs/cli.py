@@ -35,6 +35,7 @@ def _human(n: float) -> str:
 
 
 async def _open(config: Config) -> tuple[StorePool, Catalog]:
+    """The stores, checked before anything is read or written."""
     pool = StorePool(config)
     await pool.check()
     return pool, Catalog(pool)
@@ -153,7 +154,7 @@ async def cmd_rm(config: Config, args: argparse.Namespace) -> int:
     if path in manifests:
         targets = [path]
     else:
-        targets = [p for p in manifests if p.startswith(path + "/")]
+        targets = sorted(p for p in manifests if p.startswith(path + "/"))
         if not targets:
             raise NotFound(f"{path}: no such file or folder")
         if not args.recursive:
@@ -209,6 +210,22 @@ def parser() -> argparse.ArgumentParser:
 COMMANDS = {"put": cmd_put, "ls": cmd_ls, "inspect": cmd_inspect, "cat": cmd_cat, "rm": cmd_rm}
 
 
+def _leaves(e: BaseException) -> list[BaseException]:
+    """The errors inside (nested) exception groups, as trio nurseries raise them."""
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+    return [e]
+
+
+def _report(args: argparse.Namespace, e: CpfsError) -> int:
+    """One line on stderr (and to the mount launcher); exit 2 for bad configuration, else 1."""
+    bad_config = isinstance(e, ConfigError)
+    print(f"cpfs: {'config error' if bad_config else 'error'}: {e}", file=sys.stderr)
+    if args.command == "mount" and getattr(args, "ready_fd", None) is not None:
+        os.write(args.ready_fd, f"ERROR {'config error: ' if bad_config else ''}{e}\n".encode())
+    return 2 if bad_config else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -217,18 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_mount(config, args)
         logging.basicConfig(level=logging.WARNING, format="cpfs: %(levelname)s: %(message)s")
         return trio.run(COMMANDS[args.command], config, args)
-    except ConfigError as e:
-        print(f"cpfs: config error: {e}", file=sys.stderr)
-        if args.command == "mount" and getattr(args, "ready_fd", None) is not None:
-            os.write(args.ready_fd, f"ERROR config error: {e}\n".encode())
-        return 2
-    except CpfsError as e:
-        print(f"cpfs: error: {e}", file=sys.stderr)
-        if args.command == "mount" and getattr(args, "ready_fd", None) is not None:
-            os.write(args.ready_fd, f"ERROR {e}\n".encode())
-        return 1
-    except BrokenPipeError:
-        return 1
+    except (CpfsError, BrokenPipeError, BaseExceptionGroup) as e:
+        leaves = _leaves(e)
+        if all(isinstance(leaf, BrokenPipeError) for leaf in leaves):
+            return 1
+        errors = [leaf for leaf in leaves if isinstance(leaf, CpfsError)]
+        if len(errors) != len(leaves):
+            raise
+        return _report(args, errors[0])
 
 
 if __name__ == "__main__":

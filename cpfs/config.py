@@ -146,9 +146,12 @@ def _convert(source: str, key: str, parser: Any, value: Any) -> Any:
 
 
 def _expand(path: str) -> str:
+    """$VAR and ${VAR} from the environment; KeyError names a variable that is not set.
+    $XDG_DATA_HOME defaults to ~/.local/share when unset or empty (as the XDG spec says)."""
     env = dict(os.environ)
-    env.setdefault("XDG_DATA_HOME", str(Path.home() / ".local" / "share"))
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), m.group(0)), path)
+    if not env.get("XDG_DATA_HOME"):
+        env["XDG_DATA_HOME"] = str(Path.home() / ".local" / "share")
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env[m.group(1) or m.group(2)], path)
 
 
 def _store(source: str, base: Path, i: int, raw: Any, defaults: dict[str, Any]) -> StoreConfig:
@@ -167,7 +170,10 @@ def _store(source: str, base: Path, i: int, raw: Any, defaults: dict[str, Any]) 
         raise _fail(source, f"{where}.url", "s3:// stores are not supported yet (directory stores only)")
     if "://" in url and not url.startswith("file://"):
         raise _fail(source, f"{where}.url", f"unsupported scheme in {url!r} (use file:///abs/path or a path)")
-    path = Path(_expand(url[len("file://"):] if url.startswith("file://") else url)).expanduser()
+    try:
+        path = Path(_expand(url[len("file://"):] if url.startswith("file://") else url)).expanduser()
+    except KeyError as e:
+        raise _fail(source, f"{where}.url", f"${e.args[0]} is not set (in {url!r})") from None
     if url.startswith("file://") and not path.is_absolute():
         raise _fail(source, f"{where}.url", f"file:// URLs need an absolute path, got {url!r}")
     if not path.is_absolute():

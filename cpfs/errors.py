@@ -22,6 +22,7 @@ class StoreError(CpfsError):
     def __init__(self, store: str, message: str) -> None:
         super().__init__(f"store {store!r}: {message}")
         self.store = store
+        self.detail = message
 
 
 class NoSuchObject(StoreError):

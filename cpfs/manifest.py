@@ -105,7 +105,7 @@ class Manifest:
             if not isinstance(doc, dict):
                 raise TypeError("not an object")
             if doc["format"] != FORMAT:
-                raise ManifestError(f"{where}: unsupported manifest format {doc['format']!r}")
+                raise ManifestError(f"unsupported manifest format {doc['format']!r}")
             chunks = []
             for c in doc["chunks"]:
                 digest, raw_len, stored_len, codec, stores = c
@@ -119,8 +119,8 @@ class Manifest:
             m = cls(path=normalize_path(doc["path"]), size=int(doc["size"]), mtime_ns=int(doc["mtime_ns"]),
                     mode=int(doc["mode"]), chunk_size=int(doc["chunk_size"]), chunks=tuple(chunks),
                     version=int(doc["version"]), tensor_index=doc.get("tensor_index"))
-        except ManifestError:
-            raise
+        except ManifestError as e:    # the format check, or a bad path
+            raise ManifestError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where}: malformed manifest: {e!r}") from None
         if m.offsets[-1] != m.size:

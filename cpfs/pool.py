@@ -16,7 +16,7 @@ import trio
 
 from . import chunk as chunkfmt
 from .config import Config
-from .errors import ChunkUnavailable, CorruptChunk, NoSuchObject, StoreError, StoreUnavailable
+from .errors import ChunkUnavailable, ConfigError, CorruptChunk, NoSuchObject, StoreError, StoreUnavailable
 from .manifest import ChunkEntry
 from .store import Store, open_store
 
@@ -59,7 +59,8 @@ class StorePool:
         return [self._load[n].snapshot(n) for n in self.names]
 
     async def check(self) -> None:
-        """Every store reachable, or StoreUnavailable naming the first that is not."""
+        """Every store usable, or a ConfigError naming the config file and the first store that is not:
+        an unusable store is a bad configuration, found before anything is read or written."""
         errors: list[StoreError] = []
 
         async def one(store: Store) -> None:
@@ -75,7 +76,9 @@ class StorePool:
             for s in self.stores.values():
                 n.start_soon(one, s)
         if errors:
-            raise errors[0]
+            e = errors[0]
+            detail = e.detail if isinstance(e, StoreUnavailable) else str(e)
+            raise ConfigError(f"{self.config.source}: store {e.store!r}.url: {detail}")
 
     async def aclose(self) -> None:
         for s in self.stores.values():

@@ -35,6 +35,8 @@ SEQ_SLACK = 4 * 1024**2    # reads this far behind or ahead of the last one stil
 @dataclass(frozen=True)
 class SchedulerStats:
     open_files: int
+    reads: int               # read requests served
+    read_bytes: int
     demand_fetches: int      # chunk fetches a read waited for
     prefetches: int          # chunk fetches started ahead of the reader
     prefetch_failures: int
@@ -65,12 +67,12 @@ class Scheduler:
         self.config = config
         self.on_chunk = on_chunk
         self.limiter = trio.CapacityLimiter(config.fetch_concurrency)
-        self._open = 0
+        self._open = self._reads = self._read_bytes = 0
         self._demand = self._prefetches = self._failures = self._pushed = 0
         self._inflight = self._peak = 0
 
     def statistics(self) -> SchedulerStats:
-        return SchedulerStats(self._open, self._demand, self._prefetches, self._failures, self._pushed,
+        return SchedulerStats(self._open, self._reads, self._read_bytes, self._demand, self._prefetches, self._failures, self._pushed,
                               self._inflight, self._peak)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
@@ -271,6 +273,8 @@ class FileReader:
                 for k, i in enumerate(chunks):
                     n.start_soon(one, k, i)
         self._observe(offset, end, chunks)
+        self.sched._reads += 1
+        self.sched._read_bytes += end - offset
         base = self.m.offsets[chunks[0]]
         if len(chunks) == 1:
             return memoryview(datas[0])[offset - base:end - base]

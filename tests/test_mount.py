@@ -242,7 +242,7 @@ def test_mount_errors_are_one_clear_line_and_leave_nothing_mounted(imported, tmp
     (tmp_path / "u" / "stores").mkdir(parents=True)
     (tmp_path / "u" / "stores" / "s1").write_text("not a folder")
     r = attempt(unreachable, tmp_path / "mp")
-    assert r.returncode == 1 and "'s1'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.returncode == 2 and "'s1'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not os.path.ismount(tmp_path / "mp")
     # Busy: something is mounted there already.
     m = mount(imported)

@@ -30,6 +30,11 @@ class DirectoryStore(Store):
             raise StoreError(self.name, f"invalid key {key!r}")
         return self.root / key
 
+    def _check_prefix(self, prefix: str) -> None:
+        """Like a key, but may be empty or end in '/'."""
+        if prefix.startswith("/") or ".." in prefix.split("/") or "\0" in prefix:
+            raise StoreError(self.name, f"invalid prefix {prefix!r}")
+
     def _error(self, e: OSError, key: str) -> StoreError:
         if e.errno == errno.ENOENT:
             return NoSuchObject(self.name, f"no object {key!r}")
@@ -77,7 +82,11 @@ class DirectoryStore(Store):
             raise self._error(e, key) from None
 
     async def exists(self, key: str) -> bool:
-        return await self._run(self._path(key).exists)
+        path = self._path(key)
+        try:
+            return await self._run(path.is_file)      # a folder of keys is not an object
+        except OSError as e:
+            raise self._error(e, key) from None
 
     async def delete(self, key: str) -> None:
         path = self._path(key)
@@ -97,16 +106,22 @@ class DirectoryStore(Store):
         return sorted(out)
 
     async def list(self, prefix: str) -> list[str]:
+        self._check_prefix(prefix)
         try:
             return await self._run(self._list_sync, prefix)
         except OSError as e:
             raise self._error(e, prefix) from None
 
     def _check_sync(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        probe = self.root / f".probe.{uuid.uuid4().hex}{TMP_SUFFIX}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        # Creates nothing, so that a startup that fails on another store leaves no trace: the folder,
+        # or the nearest existing folder above it (the first put creates the rest), must be writable.
+        path = self.root
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        if not path.is_dir():
+            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {path} is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {path} is not writable")
 
     async def check(self) -> None:
         try:

@@ -18,34 +18,35 @@ class ThrottledStore(Store):
         self.bandwidth = bandwidth
         self._link_free_at = 0.0
 
-    async def _delay(self, nbytes: int) -> None:
-        now = trio.current_time()
-        done = now + self.latency
+    async def _delay(self, start: float, nbytes: int) -> None:
+        """Sleep until `latency` after the request's `start`, and until `nbytes` have crossed the link."""
+        done = start + self.latency
         if self.bandwidth:
-            start = max(now, self._link_free_at)
-            self._link_free_at = start + nbytes / self.bandwidth
+            begin = max(trio.current_time(), self._link_free_at)
+            self._link_free_at = begin + nbytes / self.bandwidth
             done = max(done, self._link_free_at)
         await trio.sleep_until(done)
 
     async def get(self, key: str) -> bytes:
+        start = trio.current_time()     # the latency covers the inner read: it is part of the request
         data = await self.inner.get(key)
-        await self._delay(len(data))
+        await self._delay(start, len(data))
         return data
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
-        await self._delay(len(data))
+        await self._delay(trio.current_time(), len(data))
         await self.inner.put(key, data)
 
     async def exists(self, key: str) -> bool:
-        await self._delay(0)
+        await self._delay(trio.current_time(), 0)
         return await self.inner.exists(key)
 
     async def delete(self, key: str) -> None:
-        await self._delay(0)
+        await self._delay(trio.current_time(), 0)
         await self.inner.delete(key)
 
     async def list(self, prefix: str) -> list[str]:
-        await self._delay(0)
+        await self._delay(trio.current_time(), 0)
         return await self.inner.list(prefix)
 
     async def check(self) -> None:

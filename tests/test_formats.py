@@ -1,0 +1,298 @@
+"""The on-store formats: chunks, manifests, paths, placement and where files are cut."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+
+import pytest
+
+from cpfs import chunk as chunkfmt
+from cpfs.chunking import cut, tensor_boundaries
+from cpfs.errors import CorruptChunk, ManifestError
+from cpfs.manifest import ChunkEntry, Manifest, manifest_key, normalize_path, parent_dirs
+from cpfs.placement import place
+from cpfs.tensor_index import TensorEntry, TensorIndex
+
+
+def _compressible(n: int) -> bytes:
+    """Text-like bytes lz4 shrinks a lot."""
+    words = [b"weight", b"bias", b"layer", b"attn", b"mlp", b"norm", b" ", b"\n"]
+    rng = random.Random(1)
+    out = bytearray()
+    while len(out) < n:
+        out += rng.choice(words)
+    return bytes(out[:n])
+
+
+# ---- chunks ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data", [_compressible(1 << 20), os.urandom(1 << 20), b"x", bytes(300_000),
+                                  bytes(4 << 20)], ids=["text", "random", "one-byte", "zeros", "zeros-4MiB"])
+def test_chunk_round_trip(data: bytes) -> None:
+    """encode then decode gives back the exact bytes, named by their BLAKE3 hash."""
+    enc = chunkfmt.encode(data)
+    assert enc.digest == chunkfmt.chunk_hash(data) and len(enc.digest) == 64
+    assert enc.raw_len == len(data) and enc.stored_len == len(enc.blob)
+    assert chunkfmt.decode(enc.blob, enc.digest) == data
+    assert chunkfmt.chunk_key(enc.digest) == f"chunks/{enc.digest[:2]}/{enc.digest}"
+
+
+def test_codec_choice() -> None:
+    """lz4 is kept only where it shrinks the data; random data and compression='none' are stored raw."""
+    text = _compressible(1 << 20)
+    packed = chunkfmt.encode(text)
+    assert packed.codec == "lz4" and packed.stored_len < len(text) // 2
+    noise = os.urandom(1 << 20)
+    raw = chunkfmt.encode(noise)
+    assert raw.codec == "raw" and raw.stored_len == len(noise) + chunkfmt.HEADER_SIZE
+    assert raw.blob[chunkfmt.HEADER_SIZE:] == noise
+    plain = chunkfmt.encode(text, compression="none")
+    assert plain.codec == "raw" and plain.stored_len == len(text) + chunkfmt.HEADER_SIZE
+    assert chunkfmt.decode(plain.blob, plain.digest) == text
+
+
+def test_codec_raw_when_saving_is_too_small() -> None:
+    """Data lz4 shrinks by less than MIN_SAVING is stored raw (no decompression for a tiny gain)."""
+    data = os.urandom(60_000) + bytes(2_000)   # ~3% compressible
+    assert chunkfmt.encode(data).codec == "raw"
+
+
+def _flip(blob: bytes, i: int) -> bytes:
+    b = bytearray(blob)
+    b[i] ^= 0x40
+    return bytes(b)
+
+
+@pytest.mark.parametrize("codec_data", [_compressible(200_000), os.urandom(200_000)], ids=["lz4", "raw"])
+def test_every_header_byte_flip_is_detected(codec_data: bytes) -> None:
+    """A flipped bit anywhere in the header (magic, version, codec, lengths, reserved) raises CorruptChunk."""
+    enc = chunkfmt.encode(codec_data)
+    undetected = []
+    for i in range(chunkfmt.HEADER_SIZE):
+        try:
+            chunkfmt.decode(_flip(enc.blob, i), enc.digest)
+            undetected.append(i)
+        except CorruptChunk:
+            pass
+    assert undetected == []
+
+
+@pytest.mark.parametrize("codec_data", [_compressible(200_000), os.urandom(200_000)], ids=["lz4", "raw"])
+def test_payload_flip_is_detected(codec_data: bytes) -> None:
+    """A flipped payload byte (first, middle, last and a random sample) raises CorruptChunk."""
+    enc = chunkfmt.encode(codec_data)
+    n = len(enc.blob)
+    rng = random.Random(2)
+    positions = [chunkfmt.HEADER_SIZE, n // 2, n - 1] + rng.sample(range(chunkfmt.HEADER_SIZE, n), 40)
+    for i in positions:
+        with pytest.raises(CorruptChunk):
+            chunkfmt.decode(_flip(enc.blob, i), enc.digest)
+
+
+def test_truncated_wrong_magic_wrong_hash() -> None:
+    """Truncated blobs, a foreign magic and a blob stored under the wrong name all raise CorruptChunk."""
+    enc = chunkfmt.encode(_compressible(100_000))
+    for n in (0, 5, chunkfmt.HEADER_SIZE - 1, chunkfmt.HEADER_SIZE, len(enc.blob) - 1):
+        with pytest.raises(CorruptChunk):
+            chunkfmt.decode(enc.blob[:n], enc.digest)
+    with pytest.raises(CorruptChunk):
+        chunkfmt.decode(enc.blob + b"\0", enc.digest)
+    with pytest.raises(CorruptChunk, match="magic"):
+        chunkfmt.decode(b"XXXX" + enc.blob[4:], enc.digest)
+    other = chunkfmt.chunk_hash(b"something else")
+    with pytest.raises(CorruptChunk, match="hash"):
+        chunkfmt.decode(enc.blob, other)
+
+
+# ---- manifests ------------------------------------------------------------------------------------------
+
+def _digest(i: int) -> str:
+    return chunkfmt.chunk_hash(str(i).encode())
+
+
+def _manifest(lengths=(100, 50, 200, 1), **kw) -> Manifest:
+    chunks = tuple(ChunkEntry(_digest(i), n, n + 32, "raw" if i % 2 else "lz4", ("s0", "s1"))
+                   for i, n in enumerate(lengths))
+    fields = dict(path="/run1/step_100.pt", size=sum(lengths), mtime_ns=1_700_000_000_123_456_789,
+                  mode=0o644, chunk_size=256, chunks=chunks, version=1_700_000_001_000_000_000,
+                  tensor_index={"version": 1, "format": "safetensors", "tensors": []})
+    fields.update(kw)
+    return Manifest(**fields)
+
+
+def test_manifest_round_trip() -> None:
+    """to_bytes/from_bytes is lossless, including stores, codecs and the tensor index."""
+    m = _manifest()
+    back = Manifest.from_bytes(m.to_bytes())
+    assert back == m
+    assert back.stored_bytes == sum(n + 32 for n in (100, 50, 200, 1))
+    empty = _manifest(lengths=(), tensor_index=None)
+    assert Manifest.from_bytes(empty.to_bytes()) == empty
+
+
+def _doc() -> dict:
+    return json.loads(_manifest().to_bytes())
+
+
+def _mutations():
+    def drop(key):
+        return lambda d: d.pop(key)
+
+    def chunk(i, value):
+        def f(d):
+            d["chunks"][0][i] = value
+        return f
+
+    return {
+        "size-mismatch": lambda d: d.update(size=d["size"] + 1),
+        "chunk-shorter": chunk(1, 99),
+        "bad-hash-short": chunk(0, "abc"),
+        "bad-hash-upper": chunk(0, _digest(0).upper()),
+        "bad-hash-type": chunk(0, 12),
+        "zero-length-chunk": chunk(1, 0),
+        "bad-codec": chunk(3, "zstd"),
+        "no-stores": chunk(4, []),
+        "entry-too-short": lambda d: d["chunks"][0].pop(),
+        "entry-not-list": lambda d: d["chunks"].__setitem__(0, 7),
+        "missing-format": drop("format"),
+        "missing-path": drop("path"),
+        "missing-size": drop("size"),
+        "missing-chunks": drop("chunks"),
+        "missing-version": drop("version"),
+        "format-2": lambda d: d.update(format=2),
+        "format-str": lambda d: d.update(format="1"),
+        "size-str": lambda d: d.update(size="lots"),
+        "path-dotdot": lambda d: d.update(path="/a/../b"),
+        "path-root": lambda d: d.update(path="/"),
+        "index-not-object": lambda d: d.update(tensor_index=[1, 2]),
+        "mode-directory": lambda d: d.update(mode=0o40755),
+    }
+
+
+@pytest.mark.parametrize("name", list(_mutations()))
+def test_malformed_manifest(name: str) -> None:
+    """Every inconsistency raises ManifestError naming where the manifest came from."""
+    doc = _doc()
+    _mutations()[name](doc)
+    with pytest.raises(ManifestError, match="store 's1' manifests/x"):
+        Manifest.from_bytes(json.dumps(doc).encode(), where="store 's1' manifests/x")
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"\xff\xfe", b"[]", b"null", b"42", b'"text"'])
+def test_manifest_not_a_json_object(data: bytes) -> None:
+    """Bytes that are not a JSON object raise ManifestError, never a raw exception."""
+    with pytest.raises(ManifestError):
+        Manifest.from_bytes(data)
+
+
+def test_chunk_at_and_range_with_variable_chunks() -> None:
+    """chunk_at/chunk_range follow the real chunk lengths, not chunk_size."""
+    m = _manifest(lengths=(100, 50, 200, 1))    # offsets 0, 100, 150, 350, end 351
+    assert m.offsets == [0, 100, 150, 350, 351]
+    assert [m.chunk_at(o) for o in (0, 99, 100, 149, 150, 349, 350)] == [0, 0, 1, 1, 2, 2, 3]
+    assert m.chunk_range(0, 1) == range(0, 1)
+    assert m.chunk_range(99, 2) == range(0, 2)
+    assert m.chunk_range(100, 50) == range(1, 2)
+    assert m.chunk_range(100, 51) == range(1, 3)
+    assert m.chunk_range(0, 351) == range(0, 4)
+    assert m.chunk_range(300, 10_000) == range(2, 4)    # clipped at the end of the file
+    assert m.chunk_range(351, 10) == range(0)           # at EOF
+    assert m.chunk_range(10, 0) == range(0)
+    assert _manifest(lengths=()).chunk_range(0, 10) == range(0)
+
+
+@pytest.mark.parametrize("raw, norm", [
+    ("a", "/a"), ("/a", "/a"), ("a/b", "/a/b"), ("/a//b/", "/a/b"), ("./a/./b/.", "/a/b"),
+    ("/run 1/step_100.pt", "/run 1/step_100.pt"), ("//x", "/x"),
+])
+def test_normalize_path(raw: str, norm: str) -> None:
+    """Paths become absolute, without '.', empty components or trailing '/'."""
+    assert normalize_path(raw) == norm
+
+
+@pytest.mark.parametrize("bad", ["", "/", ".", "//./", "..", "/a/../b", "a/..", "a\0b", None, 5])
+def test_normalize_path_refuses(bad) -> None:
+    """The root, '..' components, NUL bytes and non-strings are refused."""
+    with pytest.raises(ManifestError):
+        normalize_path(bad)
+
+
+def test_manifest_key_and_parents() -> None:
+    """Manifest keys are stable per path and distinct between paths; parent_dirs lists the folders."""
+    assert manifest_key("/a/b") == manifest_key("/a/b") != manifest_key("/a/c")
+    assert manifest_key("/a/b").startswith("manifests/") and manifest_key("/a/b").endswith(".json")
+    assert parent_dirs("/a/b/c.pt") == ["/a", "/a/b"]
+    assert parent_dirs("/c.pt") == []
+
+
+# ---- placement ------------------------------------------------------------------------------------------
+
+def test_placement_spread() -> None:
+    """3000 chunks over 4 stores, 2 replicas: 2 distinct stores each, every store holds 50% +- 5%."""
+    stores = ["nvme0", "nvme1", "nvme2", "nvme3"]
+    digests = [_digest(i) for i in range(3000)]
+    per_store: Counter[str] = Counter()
+    for d in digests:
+        chosen = place(d, stores, 2)
+        assert len(chosen) == 2 and len(set(chosen)) == 2 and set(chosen) <= set(stores)
+        per_store.update(chosen)
+    for s in stores:
+        assert 0.45 <= per_store[s] / len(digests) <= 0.55, per_store
+
+
+def test_placement_deterministic_and_stable() -> None:
+    """The same chunk always lands on the same stores, whatever the order of the store list;
+    adding a store moves a chunk only onto the new store."""
+    stores = ["a", "b", "c", "d"]
+    for i in range(500):
+        d = _digest(i)
+        first = place(d, stores, 2)
+        assert place(d, stores, 2) == first
+        assert place(d, list(reversed(stores)), 2) == first
+        assert place(d, stores, 1) == first[:1]
+        grown = place(d, stores + ["e"], 2)
+        assert set(grown) - set(first) <= {"e"}
+    with pytest.raises(ValueError):
+        place(_digest(0), ["a"], 2)
+
+
+# ---- chunking -------------------------------------------------------------------------------------------
+
+def _check_cover(spans: list[tuple[int, int]], size: int, chunk_size: int) -> None:
+    pos = 0
+    for off, ln in spans:
+        assert off == pos and 0 < ln <= chunk_size
+        pos += ln
+    assert pos == size
+
+
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 12_345])
+def test_cut_without_boundaries(size: int) -> None:
+    """Without boundaries, cuts are fixed-size and cover the file exactly."""
+    spans = cut(size, 1000)
+    _check_cover(spans, size, 1000)
+    assert all(ln == 1000 for _, ln in spans[:-1])
+
+
+def test_cut_falls_on_tensor_boundaries() -> None:
+    """Every large tensor starts and ends on a cut; no chunk exceeds chunk_size; the file is covered."""
+    chunk_size = 1 << 20
+    rng = random.Random(3)
+    for _ in range(50):
+        tensors, pos = [], rng.randrange(0, 5000)
+        for i in range(rng.randrange(1, 30)):
+            length = rng.choice([rng.randrange(1, 1000), rng.randrange(chunk_size // 8, 5 * chunk_size)])
+            tensors.append(TensorEntry(f"t{i}", "BF16", (length // 2,), (1,), str(i), pos, length))
+            pos += length + rng.randrange(0, 200)
+        size = pos + rng.randrange(0, 3000)
+        index = TensorIndex("safetensors", (), tuple(tensors), size)
+        bounds = tensor_boundaries(index, chunk_size)
+        spans = cut(size, chunk_size, bounds)
+        _check_cover(spans, size, chunk_size)
+        starts = {off for off, _ in spans} | {size}
+        for t in tensors:
+            if t.length >= chunk_size // 8:
+                assert t.offset in starts and t.offset + t.length in starts, t
+        assert tensor_boundaries(None, chunk_size) == []
