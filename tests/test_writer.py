@@ -1,0 +1,494 @@
+"""The write path's file layer: WriteSession against real directory stores, without FUSE."""
+from __future__ import annotations
+
+import errno
+import io
+import os
+import random
+import struct
+import zipfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import trio
+
+from conftest import write_config
+from cpfs.catalog import Catalog
+from cpfs.chunking import tensor_boundaries
+from cpfs.config import Config, load_config
+from cpfs.errors import NotFound, StoreError, StoreFull
+from cpfs.importer import Importer
+from cpfs.manifest import Manifest
+from cpfs.pool import StorePool
+from cpfs.tensor_index import build_index
+from cpfs.writer import BoundaryScanner, StagingError, WriteSession
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Env:
+    config: Config
+    pool: StorePool
+    catalog: Catalog
+    staging: Path
+    stores: Path
+
+
+async def make_env(folder: Path, **kw) -> Env:
+    config = load_config(write_config(folder, **kw))
+    pool = StorePool(config)
+    await pool.check()
+    return Env(config, pool, Catalog(pool), folder / "staging", folder / "stores")
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> Env:
+    return await make_env(tmp_path / "cpfs")
+
+
+@asynccontextmanager
+async def open_session(env: Env, path: str, **kw) -> AsyncIterator[WriteSession]:
+    async with trio.open_nursery() as nursery:
+        session = WriteSession(env.pool, env.catalog, path, staging_dir=env.staging, nursery=nursery, **kw)
+        try:
+            yield session
+        finally:
+            await session.aclose()
+
+
+class SessionFile(io.RawIOBase):
+    """A file object over a WriteSession, for writers running in a worker thread (torch.save, zipfile)."""
+
+    def __init__(self, session: WriteSession) -> None:
+        self.session = session
+        self.pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        n = trio.from_thread.run(self.session.write, self.pos, bytes(data))
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos,
+                io.SEEK_END: trio.from_thread.run_sync(lambda: self.session.size)}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+async def save_into(session: WriteSession, save) -> None:
+    """Run `save(file)` in a thread, writing through the session as an application would."""
+    await trio.to_thread.run_sync(lambda: save(SessionFile(session)))
+
+
+async def stored_bytes(pool: StorePool, manifest: Manifest) -> bytes:
+    """The committed content, read back from the stores."""
+    parts = [await pool.fetch_chunk(c, f"test chunk {i}") for i, c in enumerate(manifest.chunks)]
+    data = b"".join(parts)
+    assert len(data) == manifest.size
+    return data
+
+
+async def commit_bytes(env: Env, path: str, data: bytes) -> Manifest:
+    async with open_session(env, path) as s:
+        await s.write(0, data)
+        return await s.flush()
+
+
+def model(layers: int, width: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A transformer-like state dict: per layer ~12*width^2 floats, plus small norms and biases."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {"embed.weight": torch.randn(16 * width, width, generator=g)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        sd[p + "attn.qkv.weight"] = torch.randn(3 * width, width, generator=g)
+        sd[p + "attn.qkv.bias"] = torch.randn(3 * width, generator=g)
+        sd[p + "attn.proj.weight"] = torch.randn(width, width, generator=g)
+        sd[p + "norm1.weight"] = torch.ones(width)
+        sd[p + "mlp.fc1.weight"] = torch.randn(4 * width, width, generator=g)
+        sd[p + "mlp.fc2.weight"] = torch.randn(width, 4 * width, generator=g)
+        sd[p + "norm2.weight"] = torch.ones(width)
+    return sd
+
+
+# ---------------------------------------------------------------- the boundary scanner
+
+def _checkpoints() -> dict[str, bytes]:
+    rng = random.Random(7)
+    sd = {f"t{i}": torch.randn(rng.choice([1, 100, 3000, 9000, 40000])) for i in range(40)}
+    sd["empty"] = torch.zeros(0)
+    sd["view"] = sd["t3"][1:]
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    plain_zip = io.BytesIO()
+    with zipfile.ZipFile(plain_zip, "w") as z:
+        z.writestr("a.bin", os.urandom(50_000))
+        z.writestr("b.bin", os.urandom(30_000))
+    return {
+        "torch": buf.getvalue(),
+        "safetensors": safetensors.torch.save({k: v.contiguous() for k, v in sd.items() if k != "view"}),
+        "zipfile": plain_zip.getvalue(),
+        "random": os.urandom(300_000),
+    }
+
+
+@pytest.mark.parametrize("kind", ["torch", "safetensors", "zipfile", "random"])
+def test_scanner_predicts_the_index_cut_points_while_bytes_arrive(kind: str) -> None:
+    data = _checkpoints()[kind]
+    chunk_size = 64 * 1024
+    read_at = lambda off, n: data[off:off + n]
+
+    one_pass = BoundaryScanner(chunk_size)
+    one_pass.advance(read_at, len(data), eof=True, budget=1 << 40)
+
+    stepped, rng, limit = BoundaryScanner(chunk_size), random.Random(1), 0
+    while limit < len(data):
+        limit = min(len(data), limit + rng.choice([1, 7, 30, 100, 4096, 50_000]))
+        stepped.advance(read_at, limit)
+        # Never claims knowledge it cannot have: what it reports below known_upto is final.
+        known = [b for b in one_pass.boundaries if b < min(stepped.known_upto, limit)]
+        assert [b for b in stepped.boundaries if b < min(stepped.known_upto, limit)] == known
+    stepped.advance(read_at, len(data), eof=True, budget=1 << 40)
+    assert stepped.boundaries == one_pass.boundaries
+
+    index = build_index(read_at, len(data))
+    if kind in ("torch", "safetensors"):
+        assert index is not None and one_pass.boundaries == tensor_boundaries(index, chunk_size)
+        assert len(one_pass.boundaries) > 10
+    elif kind == "zipfile":  # no tensor index, but the zip members still give the cuts
+        expected = []
+        for info in zipfile.ZipFile(io.BytesIO(data)).infolist():
+            nlen, elen = struct.unpack_from("<HH", data, info.header_offset + 26)
+            start = info.header_offset + 30 + nlen + elen
+            expected += [start, start + info.compress_size]
+        assert one_pass.boundaries == expected
+    else:
+        assert one_pass.boundaries == []
+
+
+def test_scanner_follows_zip64_data_descriptors() -> None:
+    """miniz writes 24-byte descriptors once a member's header lies beyond 4 GiB."""
+    out, expected = bytearray(), []
+    for i, size in enumerate([100_000, 3, 50_000]):
+        name = f"archive/data/{i}".encode()
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 8, 0, 0, 0, 0, 0, 0, len(name), 0) + name
+        expected += [len(out), len(out) + size] if size >= 8192 else []
+        out += os.urandom(size) + struct.pack("<IIQQ", 0x08074B50, 0, size, size)
+    out += b"PK\x01\x02" + bytes(60)
+    scanner = BoundaryScanner(64 * 1024)
+    scanner.advance(lambda off, n: bytes(out[off:off + n]), len(out), eof=True)
+    assert scanner.boundaries == expected and scanner.done
+
+
+# ---------------------------------------------------------------- round trips
+
+async def test_torch_save_round_trips_and_cuts_like_the_importer(env: Env, tmp_path: Path) -> None:
+    sd = model(layers=3, width=192)
+    async with open_session(env, "/run1/step_100.pt") as s:
+        await save_into(s, lambda f: torch.save(sd, f))
+        staged = await s.read(0, s.size)
+        m = await s.flush()
+        assert await s.read(0, s.size) == staged
+    assert m.size == len(staged) and m.tensor_index is not None
+    assert m.tensor_index["format"] == "torch-zip"
+    data = await stored_bytes(env.pool, m)
+    assert data == staged
+    loaded = torch.load(io.BytesIO(data))
+    assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
+    assert (await env.catalog.get("/run1/step_100.pt")).version == m.version
+
+    # The same bytes imported with `cpfs put` give the same chunks: writes and imports dedup together.
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes(staged)
+    imported = await Importer(env.pool, env.catalog).put_file(copy, "/imported.pt")
+    assert [c.digest for c in imported.chunks] == [c.digest for c in m.chunks]
+
+
+@pytest.mark.parametrize("writer", ["zipfile", "numpy.savez"])
+async def test_writers_that_seek_back_round_trip(env: Env, writer: str) -> None:
+    arrays = {f"a{i}": np.random.default_rng(i).standard_normal(40_000 * (i + 1)) for i in range(4)}
+
+    def save(f) -> None:
+        if writer == "numpy.savez":
+            np.savez(f, **arrays)
+            return
+        with zipfile.ZipFile(f, "w") as z:
+            for name, a in arrays.items():
+                z.writestr(name, a.tobytes(), compress_type=zipfile.ZIP_STORED)
+            z.writestr("notes.txt", b"checkpoint " * 50_000, compress_type=zipfile.ZIP_DEFLATED)
+            with z.open("streamed.bin", "w") as member:  # its header is patched after the data
+                member.write(os.urandom(300_000))
+
+    async with open_session(env, f"/{writer}.zip") as s:
+        await save_into(s, save)
+        staged = await s.read(0, s.size)
+        m = await s.flush()
+    data = await stored_bytes(env.pool, m)
+    assert data == staged
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        assert z.testzip() is None
+    if writer == "numpy.savez":
+        loaded = np.load(io.BytesIO(data))
+        assert all(np.array_equal(loaded[k], v) for k, v in arrays.items())
+
+
+async def test_safetensors_round_trip_with_index(env: Env) -> None:
+    sd = {k: v for k, v in model(layers=2, width=128).items()}
+    blob = safetensors.torch.save(sd)
+    async with open_session(env, "/model.safetensors") as s:
+        for off in range(0, len(blob), 128 * 1024):  # as the kernel would hand it over
+            await s.write(off, blob[off:off + 128 * 1024])
+        m = await s.flush()
+        stats = s.statistics()
+    assert await stored_bytes(env.pool, m) == blob
+    assert m.tensor_index is not None and m.tensor_index["format"] == "safetensors"
+    assert stats.chunks_discarded == 0  # write-behind predicted the final layout
+
+
+# ---------------------------------------------------------------- write-behind
+
+async def test_chunks_upload_while_writing_with_bounded_memory(tmp_path: Path) -> None:
+    env = await make_env(tmp_path / "cpfs", extra="[readahead]\nconcurrency = 4")
+    data = os.urandom(32 * MiB)
+    step = 128 * 1024
+    async with open_session(env, "/big.bin") as s:
+        for off in range(0, 16 * MiB, step):
+            await s.write(off, data[off:off + step])
+        with trio.fail_after(10):  # uploads start while the file is still being written
+            while s.statistics().chunks_streamed == 0:
+                await trio.sleep(0.01)
+        for off in range(16 * MiB, len(data), step):
+            await s.write(off, data[off:off + step])
+        with trio.fail_after(20):
+            while s.statistics().chunks_streamed < 32:
+                await trio.sleep(0.01)
+        before_flush = s.statistics()
+        m = await s.flush()
+        after = s.statistics()
+    print(f"\nwrite-behind: {before_flush.chunks_streamed}/32 chunks stored before flush, "
+          f"peak buffered {after.peak_buffered_bytes / MiB:.1f} MiB")
+    assert before_flush.chunks_uploaded == 32 and before_flush.commits == 0
+    assert after.chunks_uploaded == 32 and after.chunks_reused == 32 and after.chunks_discarded == 0
+    assert after.peak_buffered_bytes <= env.config.fetch_concurrency * 2 * (env.config.chunk_size + 64)
+    assert await stored_bytes(env.pool, m) == data
+
+
+async def test_out_of_order_writes_are_staged_and_streamed(env: Env) -> None:
+    data = os.urandom(8 * MiB)
+    blocks = list(range(0, len(data), 256 * 1024))
+    random.Random(3).shuffle(blocks)
+    async with open_session(env, "/shuffled.bin") as s:
+        async with trio.open_nursery() as n:  # concurrent, as FUSE handlers may run
+            for off in blocks:
+                n.start_soon(s.write, off, data[off:off + 256 * 1024])
+        with trio.fail_after(10):
+            while s.statistics().chunks_streamed < 8:
+                await trio.sleep(0.01)
+        m = await s.flush()
+    assert await stored_bytes(env.pool, m) == data
+
+
+async def test_rewrite_after_upload_is_reencoded_at_flush(env: Env) -> None:
+    data = bytearray(os.urandom(4 * MiB))
+    async with open_session(env, "/rewritten.bin") as s:
+        await s.write(0, bytes(data))
+        with trio.fail_after(10):
+            while s.statistics().chunks_streamed < 4:
+                await trio.sleep(0.01)
+        await s.write(MiB + 5, b"patched")
+        data[MiB + 5:MiB + 12] = b"patched"
+        m = await s.flush()
+        stats = s.statistics()
+    assert await stored_bytes(env.pool, m) == bytes(data)
+    assert stats.chunks_discarded == 1 and stats.chunks_uploaded == 5
+
+
+# ---------------------------------------------------------------- failures
+
+async def test_store_full_fails_flush_and_keeps_the_committed_version(env: Env, monkeypatch) -> None:
+    v1 = await commit_bytes(env, "/ckpt.pt", os.urandom(2 * MiB))
+
+    async def full(key: str, data: bytes) -> None:
+        raise StoreFull("s?", f"no space left writing {key!r}")
+
+    async with open_session(env, "/ckpt.pt") as s:
+        for store in env.pool.stores.values():
+            monkeypatch.setattr(store, "put", full)
+        await s.write(0, os.urandom(3 * MiB))
+        with pytest.raises(StoreFull) as failure:
+            await s.flush()
+        assert failure.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert (await env.catalog.get("/ckpt.pt")).version == v1.version
+
+
+async def test_stores_vanishing_mid_write_fail_flush_and_a_retry_commits(env: Env, caplog) -> None:
+    v1 = await commit_bytes(env, "/run/ckpt.pt", b"old version")
+    data = os.urandom(6 * MiB)
+    broken = [env.stores / "s0", env.stores / "s1"]
+    async with open_session(env, "/run/ckpt.pt") as s:
+        await s.write(0, data[:2 * MiB])
+        for folder in broken:  # two of three stores vanish: no chunk can reach 2 replicas
+            folder.rename(folder.with_suffix(".away"))
+            folder.write_bytes(b"")
+        await s.write(2 * MiB, data[2 * MiB:])
+        with pytest.raises(StoreError) as failure:
+            await s.flush()
+        assert failure.value.errno == errno.EIO
+        assert "flush failed, the last committed version stays current" in caplog.text
+        for folder in broken:
+            folder.unlink()
+            folder.with_suffix(".away").rename(folder)
+        assert (await env.catalog.get("/run/ckpt.pt")).version == v1.version
+        m = await s.flush()  # nothing written was lost: the retry commits it all
+    assert await stored_bytes(env.pool, m) == data
+    assert (await env.catalog.get("/run/ckpt.pt")).version == m.version
+
+
+async def test_abort_commits_nothing(env: Env) -> None:
+    async with trio.open_nursery() as n:
+        s = WriteSession(env.pool, env.catalog, "/aborted.pt", staging_dir=env.staging, nursery=n)
+        await s.write(0, os.urandom(3 * MiB))
+        await s.abort()
+        with pytest.raises(StagingError) as closed:
+            await s.write(0, b"more")
+        assert closed.value.errno == errno.EBADF
+    with pytest.raises(NotFound):
+        await env.catalog.get("/aborted.pt")
+    assert list(env.staging.iterdir()) == []
+
+
+# ---------------------------------------------------------------- base versions, truncate, sizes
+
+async def test_open_without_truncate_overwrites_in_place(env: Env) -> None:
+    old = os.urandom(3 * MiB + MiB // 2)
+    v1 = await commit_bytes(env, "/model.bin", old)
+    fetched: list[int] = []
+
+    async def fetch(i: int) -> bytes:
+        fetched.append(i)
+        return await env.pool.fetch_chunk(v1.chunks[i], f"test base chunk {i}")
+
+    async with open_session(env, "/model.bin", base=v1, fetch=fetch) as s:
+        assert s.size == len(old)
+        assert await s.read(MiB - 10, 20) == old[MiB - 10:MiB + 10]  # reads the base through
+        await s.write(MiB + MiB // 2, b"X" * 100)
+        m = await s.flush()
+        stats = s.statistics()
+    expected = old[:MiB + MiB // 2] + b"X" * 100 + old[MiB + MiB // 2 + 100:]
+    assert await stored_bytes(env.pool, m) == expected
+    assert sorted(set(fetched)) == [0, 1]     # read of chunks 0-1; the write needed chunk 1 only
+    assert stats.chunks_uploaded == 1 and stats.chunks_reused == 3
+    assert [c.digest for i, c in enumerate(m.chunks) if i != 1] == \
+           [c.digest for i, c in enumerate(v1.chunks) if i != 1]
+
+
+async def test_truncate_shrink_grow_and_sparse_writes(env: Env) -> None:
+    data = os.urandom(3 * MiB)
+    async with open_session(env, "/t.bin") as s:
+        await s.write(0, data)
+        await s.truncate(MiB + 1000)
+        await s.truncate(2 * MiB + 5)
+        assert s.size == 2 * MiB + 5
+        await s.write(4 * MiB, b"tail")  # past the end: a hole of zeros
+        m = await s.flush()
+    expected = data[:MiB + 1000] + bytes(2 * MiB + 5 - MiB - 1000)
+    expected += bytes(4 * MiB - len(expected)) + b"tail"
+    assert await stored_bytes(env.pool, m) == expected
+
+
+async def test_rewrite_from_scratch_after_truncate_to_zero(env: Env) -> None:
+    first, second = (safetensors.torch.save(model(layers=2, width=128, seed=k)) for k in (1, 2))
+    async with open_session(env, "/again.safetensors") as s:
+        await s.write(0, first)
+        with trio.fail_after(10):
+            while s.statistics().chunks_streamed == 0:
+                await trio.sleep(0.01)
+        await s.truncate(0)
+        await s.write(0, second)
+        m = await s.flush()
+    assert await stored_bytes(env.pool, m) == second
+    assert m.tensor_index is not None
+
+
+async def test_truncate_a_base_version(env: Env) -> None:
+    old = os.urandom(3 * MiB)
+    v1 = await commit_bytes(env, "/b.bin", old)
+    async with open_session(env, "/b.bin", base=v1) as s:
+        await s.truncate(MiB + MiB // 4)
+        await s.truncate(2 * MiB)
+        m = await s.flush()
+        # Chunk 1, which the cut goes through, and chunk 0: the index reads the head for the format.
+        assert s.statistics().base_chunks_fetched == 2
+    assert await stored_bytes(env.pool, m) == old[:MiB + MiB // 4] + bytes(3 * MiB // 4)
+    async with open_session(env, "/b.bin", base=m) as s:
+        await s.truncate(0)
+        empty = await s.flush()
+    assert empty.size == 0 and empty.chunks == ()
+
+
+async def test_empty_file_commits_without_chunks(env: Env) -> None:
+    async with open_session(env, "/empty.pt") as s:
+        m = await s.flush()
+    assert m.size == 0 and m.chunks == () and m.tensor_index is None
+    assert (await env.catalog.get("/empty.pt")).version == m.version
+
+
+async def test_flush_again_commits_only_changes(env: Env) -> None:
+    async with open_session(env, "/f.bin") as s:
+        await s.write(0, b"first")
+        m1 = await s.flush()
+        assert await s.flush() is m1      # fsync then close: the second is a no-op
+        assert s.statistics().commits == 1
+        await s.write(5, b" second")
+        m2 = await s.flush()
+    assert m2.version > m1.version and s.statistics().commits == 2
+    assert await stored_bytes(env.pool, await env.catalog.get("/f.bin")) == b"first second"
+
+
+# ---------------------------------------------------------------- dedup across checkpoints
+
+async def test_frozen_layers_store_only_changed_chunks(env: Env) -> None:
+    sd = model(layers=20, width=256)  # ~64 MiB
+    async with open_session(env, "/run/step_100.pt") as s:
+        await save_into(s, lambda f: torch.save(sd, f))
+        first = await s.flush()
+    for i in (3, 11):  # fine-tuning changed 2 of 20 layers
+        for name in [k for k in sd if k.startswith(f"layers.{i}.")]:
+            sd[name] = sd[name] + 0.01
+    async with open_session(env, "/run/step_200.pt") as s:
+        await save_into(s, lambda f: torch.save(sd, f))
+        second = await s.flush()
+        stats = s.statistics()
+    share = stats.new_raw_bytes / second.size
+    print(f"\ndedup: checkpoint of {second.size / MiB:.1f} MiB with 2/20 layers changed added "
+          f"{stats.new_raw_bytes / MiB:.2f} MiB of new chunks = {share:.1%} of its size "
+          f"({stats.chunks_uploaded} new chunks, {stats.chunks_deduped} deduplicated)")
+    assert first.size > 60 * MiB and share <= 0.20
+    assert stats.chunks_discarded == 0
+    loaded = torch.load(io.BytesIO(await stored_bytes(env.pool, second)))
+    assert torch.equal(loaded["layers.11.mlp.fc1.weight"], sd["layers.11.mlp.fc1.weight"])
+
+    # A small new entry first shifts every byte after it: cuts at tensor boundaries still match.
+    shifted = {"step": torch.tensor([200.0])} | sd
+    async with open_session(env, "/run/step_300.pt") as s:
+        await save_into(s, lambda f: torch.save(shifted, f))
+        third = await s.flush()
+        share = s.statistics().new_raw_bytes / third.size
+    print(f"dedup: same with a new small tensor first (every offset shifted): {share:.1%} new")
+    assert share <= 0.05
