@@ -7,6 +7,7 @@ either the old or the new file, never a mix.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -49,8 +50,19 @@ class Catalog:
             for name in targets:
                 n.start_soon(one, name)
         if len(done) < self.pool.config.write_quorum:
+            # Below quorum the commit failed: take back the copies that landed, or a reader that finds
+            # one would see a version the writer was told did not commit.
+            with trio.CancelScope(shield=True):
+                async with trio.open_nursery() as n:
+                    for name in done:
+                        n.start_soon(self._delete_quietly, name, key)
             raise errors[0]
-        # Copies on stores placement no longer chooses would shadow nothing (older version) but waste space.
+
+    async def _delete_quietly(self, name: str, key: str) -> None:
+        try:
+            await self.pool.delete(name, key)
+        except StoreError as e:
+            log.warning("could not take back manifest %s on store %r: %s", key, name, e)
 
     async def _copies(self, key: str, names: list[str]) -> list[Manifest]:
         found: list[Manifest] = []
@@ -112,3 +124,11 @@ class Catalog:
         async with trio.open_nursery() as n:
             for name in self.pool.names:
                 n.start_soon(self.pool.delete, name, key)
+
+    async def move(self, manifest: Manifest, path: str) -> Manifest:
+        """Commit `manifest` under a new path (same chunks, new version), then drop the old path.
+        A crash in between leaves both paths, never neither."""
+        moved = dataclasses.replace(manifest, path=path, version=max(new_version(), manifest.version + 1))
+        await self.commit(moved)
+        await self.remove(manifest.path)
+        return moved

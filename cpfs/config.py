@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +91,9 @@ class Config:
     notify_store: bool = True
     read_ahead_kb: int = 1024
     max_tasks: int = 64
+    refresh: float = 1.0
+    staging: Path | None = None     # None: $XDG_CACHE_HOME/cpfs/staging
     log_level: str = "INFO"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def store(self, name: str) -> StoreConfig:
         for s in self.stores:
@@ -122,6 +123,8 @@ _SECTIONS = {
         "notify_store": ("notify_store", bool),
         "read_ahead_kb": ("read_ahead_kb", int),
         "max_tasks": ("max_tasks", int),
+        "refresh": ("refresh", parse_duration),
+        "staging": ("staging", str),
     },
     "store_defaults": {"timeout": ("request_timeout", parse_duration)},
 }
@@ -248,7 +251,21 @@ def parse_config(text: str, source: str, base: Path) -> Config:
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise _fail(source, "log_level", f"expected DEBUG, INFO, WARNING or ERROR, got {level!r}")
     values["log_level"] = level
+    if "staging" in values:
+        try:
+            staging = Path(_expand(values["staging"])).expanduser()
+        except KeyError as e:
+            raise _fail(source, "mount.staging", f"${e.args[0]} is not set") from None
+        values["staging"] = staging if staging.is_absolute() else base / staging
     return Config(source=source, stores=stores, **values)
+
+
+def staging_dir(config: Config) -> Path:
+    """Where files being written are staged: local disk, never memory."""
+    if config.staging is not None:
+        return config.staging
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "cpfs" / "staging"
 
 
 def load_config(path: str | os.PathLike | None = None) -> Config:

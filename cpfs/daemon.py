@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import trio
 
 from .cache import ChunkCache
 from .catalog import Catalog
-from .config import Config
+from .config import Config, staging_dir
 from .errors import ConfigError, CpfsError
 from .fs import CpfsOperations
 from .namespace import Namespace
@@ -90,13 +91,15 @@ def make_pusher(limiter: trio.CapacityLimiter):
 async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     pool = StorePool(config)
     await pool.check()
-    manifests = await Catalog(pool).load_all()
+    catalog = Catalog(pool)
+    manifests = await catalog.load_all()
     log.info("%d files in %d stores", len(manifests), len(pool.names))
     cache = ChunkCache(config.cache_memory)
     pusher = make_pusher(trio.CapacityLimiter(1)) if config.notify_store else None
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher)
-    ops = CpfsOperations(Namespace(manifests), sched, config)
-    options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs", "ro"}
+    staging = await trio.to_thread.run_sync(prepare_staging, staging_dir(config))
+    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)
+    options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"}
     pyfuse3.init(ops, str(mountpoint), options)
     try:
         async with trio.open_nursery() as n:
@@ -123,7 +126,22 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             n.cancel_scope.cancel()
     finally:
         pyfuse3.close(unmount=True)
+        shutil.rmtree(staging, ignore_errors=True)
         log.info("unmounted %s; cache %s; scheduler %s", mountpoint, cache.statistics(), sched.statistics())
+
+
+def prepare_staging(root: Path) -> Path:
+    """This daemon's staging folder, `root/<pid>`; folders of daemons that died (kill -9) are removed:
+    their files never committed, and the committed versions are on the stores."""
+    root.mkdir(parents=True, exist_ok=True)
+    for d in root.iterdir():
+        if d.name.isdigit() and not Path(f"/proc/{d.name}").exists():
+            log.info("removing staging left by dead daemon %s: %s", d.name, d)
+            shutil.rmtree(d, ignore_errors=True)
+    mine = root / str(os.getpid())
+    shutil.rmtree(mine, ignore_errors=True)
+    mine.mkdir()
+    return mine
 
 
 def setup_logging(level: str, log_file: str | None) -> None:

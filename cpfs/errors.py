@@ -57,3 +57,19 @@ class NotFound(CpfsError):
 
 class ReadOnly(CpfsError):
     errno = errno.EROFS
+
+
+class Exists(CpfsError):
+    errno = errno.EEXIST
+
+
+class NotEmpty(CpfsError):
+    errno = errno.ENOTEMPTY
+
+
+class NotADirectory(CpfsError):
+    errno = errno.ENOTDIR
+
+
+class IsADirectory(CpfsError):
+    errno = errno.EISDIR

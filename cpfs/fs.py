@@ -1,27 +1,35 @@
-"""The FUSE operations: a thin translation of kernel calls into namespace and reader calls.
+"""The FUSE operations: a thin translation of kernel calls into namespace, reader and writer calls.
 
 Every handler goes through one boundary that turns cpfs errors into their errno (and anything
 unexpected into EIO with a traceback in the log): pyfuse3 stops the filesystem on any other exception.
 Committed files are immutable, so the kernel may cache names, attributes and pages (keep_cache).
+A file opened for writing gets one WriteSession, shared by all its writable handles; flush (every
+close) and fsync commit it, so close() returns only once the new version is durable.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import itertools
 import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pyfuse3
 import trio
 
+from .catalog import Catalog, new_version
 from .config import Config
-from .errors import CpfsError, NotFound, ReadOnly
+from .errors import CpfsError, IsADirectory, NotADirectory, NotEmpty, NotFound
 from .namespace import Namespace, Node
 from .readahead import FileReader, Scheduler
+from .writer import WriteSession
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -49,19 +57,42 @@ def boundary(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@dataclass
+class Handle:
+    node: Node
+    reader: FileReader | None = None     # read-only handles of committed files
+    writable: bool = False
+
+
+@dataclass
+class Writing:
+    session: WriteSession
+    handles: int = 0
+    unlinked: bool = False
+
+
 class CpfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
 
-    def __init__(self, namespace: Namespace, scheduler: Scheduler, config: Config) -> None:
+    def __init__(self, namespace: Namespace, scheduler: Scheduler, catalog: Catalog, config: Config,
+                 staging: Path) -> None:
         super().__init__()
         self.ns = namespace
         self.sched = scheduler
+        self.catalog = catalog
         self.config = config
+        self.staging = staging
         self.nursery: trio.Nursery | None = None      # set by the daemon before requests arrive
-        self.readers: dict[int, FileReader] = {}
+        self.handles: dict[int, Handle] = {}
+        self.writing: dict[int, Writing] = {}           # inode -> its write session
         self._fh = itertools.count(1)
         self._uid, self._gid = os.getuid(), os.getgid()
+        self._upload_slots = trio.CapacityLimiter(config.fetch_concurrency)
+        self._staging_io = trio.CapacityLimiter(4)
+        self._refreshed = 0.0
+        self._refresh_lock = trio.Lock()
 
+    # -- attributes and names ---------------------------------------------------------------------
     def attributes(self, node: Node) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
@@ -69,23 +100,75 @@ class CpfsOperations(pyfuse3.Operations):
         a.entry_timeout = a.attr_timeout = self.config.entry_timeout
         a.st_uid, a.st_gid = self._uid, self._gid
         a.st_blksize = 1024 * 1024
-        if node.manifest is None:
+        w = self.writing.get(node.ino)
+        if node.is_dir:
             a.st_mode = stat.S_IFDIR | 0o755
             a.st_nlink = 2
             a.st_size = 0
             a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = 0
+        elif w is not None:
+            a.st_mode = stat.S_IFREG | w.session.mode
+            a.st_nlink = 1
+            a.st_size = w.session.size
+            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = time.time_ns()
+            a.attr_timeout = 0
         else:
             m = node.manifest
-            a.st_mode = stat.S_IFREG | (m.mode & 0o7777)
+            size = m.size if m else 0
+            a.st_mode = stat.S_IFREG | ((m.mode if m else 0o644) & 0o7777)
             a.st_nlink = 1
-            a.st_size = m.size
-            a.st_blocks = (m.size + 511) // 512
-            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = m.mtime_ns
+            a.st_size = size
+            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = m.mtime_ns if m else time.time_ns()
+        a.st_blocks = (a.st_size + 511) // 512
         return a
+
+    async def _refresh(self) -> None:
+        """Pick up files other mounts committed: re-read the manifests, at most every `refresh`."""
+        async with self._refresh_lock:
+            if trio.current_time() - self._refreshed < self.config.refresh:
+                return
+            manifests = await self.catalog.load_all()
+            self._refreshed = trio.current_time()
+        for path, m in manifests.items():
+            try:
+                node = self.ns.resolve(path)
+            except NotFound:
+                self.ns.add(m)
+                continue
+            if node.is_dir or node.ino in self.writing:
+                continue
+            if node.manifest is None or node.manifest.version < m.version:
+                node.set_manifest(m)
+                self._invalidate(node.ino)
+        for node in [n for n in self.ns.nodes.values() if n.manifest is not None and n.path not in manifests
+                     and n.ino not in self.writing]:
+            parent = self.ns.parent(node)
+            self.ns.remove(node)
+            self._invalidate(node.ino, parent.ino, node.name)
+
+    def _invalidate(self, ino: int, parent: int | None = None, name: str | None = None) -> None:
+        """Drop the kernel's cached pages/attributes (or name) of a file that changed elsewhere.
+        From a thread: the kernel may need a lock that the request being handled holds."""
+        def run() -> None:
+            try:
+                if name is None:
+                    pyfuse3.invalidate_inode(ino)
+                else:
+                    pyfuse3.invalidate_entry(parent, os.fsencode(name))
+            except OSError:
+                pass          # the kernel did not have it cached
+
+        assert self.nursery is not None
+        self.nursery.start_soon(trio.to_thread.run_sync, run)
 
     @boundary
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self.attributes(self.ns.lookup(parent_inode, os.fsdecode(name)))
+        try:
+            node = self.ns.lookup(parent_inode, os.fsdecode(name))
+        except NotFound:
+            await self._refresh()
+            node = self.ns.lookup(parent_inode, os.fsdecode(name))
+        return self.attributes(node)
 
     @boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -94,7 +177,8 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         if not self.ns.node(inode).is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+            raise NotADirectory(f"inode {inode}: not a folder")
+        await self._refresh()
         return inode
 
     @boundary
@@ -107,42 +191,232 @@ class CpfsOperations(pyfuse3.Operations):
                 break
 
     @boundary
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        node = self.ns.node(inode)
-        if node.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
-        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            raise ReadOnly(f"{node.path}: writes are not supported yet")
-        assert self.nursery is not None and node.manifest is not None
-        reader = await self.sched.open(self.nursery, node.manifest, node.index, inode)
-        fh = next(self._fh)
-        self.readers[fh] = reader
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
-
-    @boundary
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        return await self.readers[fh].read(off, size)
-
-    @boundary
-    async def release(self, fh: int) -> None:
-        reader = self.readers.pop(fh, None)
-        if reader is not None:
-            await reader.aclose()
-
-    @boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
-        files = [n.manifest for n in self.ns.nodes.values() if n.manifest is not None]
+        used = sum(n.manifest.size for n in self.ns.nodes.values() if n.manifest is not None)
         s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = sum(m.size for m in files) // 4096 + 1
-        s.f_bfree = s.f_bavail = 0
+        s.f_blocks = used // 4096 + 1
+        s.f_bfree = s.f_bavail = 1 << 40        # the stores' space is not known here
         s.f_files = len(self.ns.nodes)
-        s.f_ffree = s.f_favail = 0
+        s.f_ffree = s.f_favail = 1 << 32
         s.f_namemax = 255
         return s
 
-    async def _read_only(self, *args: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.EROFS)
+    # -- reading ----------------------------------------------------------------------------------
+    def _new_handle(self, handle: Handle) -> int:
+        fh = next(self._fh)
+        self.handles[fh] = handle
+        return fh
 
-    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = create = write = _read_only
-    setxattr = removexattr = _read_only
+    async def _session(self, node: Node, truncate: bool, mode: int | None = None) -> Writing:
+        """The node's write session, created on first writable open (from the committed version,
+        unless truncating)."""
+        w = self.writing.get(node.ino)
+        if w is None:
+            assert self.nursery is not None
+            base = None if truncate else node.manifest
+            session = WriteSession(self.catalog.pool, self.catalog, node.path, staging_dir=self.staging,
+                                   base=base, mode=mode if mode is not None else
+                                   (node.manifest.mode if node.manifest else 0o644),
+                                   nursery=self.nursery, upload_limiter=self._upload_slots,
+                                   io_limiter=self._staging_io)
+            w = self.writing[node.ino] = Writing(session)
+        elif truncate:
+            await w.session.truncate(0)
+        return w
+
+    @boundary
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self.ns.node(inode)
+        if node.is_dir:
+            raise IsADirectory(f"{node.path}: is a folder")
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            w = await self._session(node, truncate=bool(flags & os.O_TRUNC))
+            w.handles += 1
+            return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, writable=True)), direct_io=False,
+                                    keep_cache=True)
+        if node.ino in self.writing or node.manifest is None:
+            return pyfuse3.FileInfo(fh=self._new_handle(Handle(node)), keep_cache=True)
+        assert self.nursery is not None
+        reader = await self.sched.open(self.nursery, node.manifest, node.index, inode)
+        return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, reader)), keep_cache=True)
+
+    @boundary
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        h = self.handles[fh]
+        w = self.writing.get(h.node.ino)
+        if w is not None:
+            return await w.session.read(off, size)       # read-your-writes
+        if h.reader is None or h.reader.m is not h.node.manifest:
+            if h.reader is not None:
+                await h.reader.aclose()
+            if h.node.manifest is None:
+                return b""
+            assert self.nursery is not None
+            h.reader = await self.sched.open(self.nursery, h.node.manifest, h.node.index, h.node.ino)
+        return await h.reader.read(off, size)
+
+    # -- writing ----------------------------------------------------------------------------------
+    @boundary
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        node = self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=False)
+        try:
+            w = await self._session(node, truncate=True, mode=mode & 0o7777)
+        except BaseException:
+            self.ns.remove(node)
+            raise
+        w.handles += 1
+        fh = self._new_handle(Handle(node, writable=True))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self.attributes(node)
+
+    @boundary
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self.handles[fh]
+        return await self.writing[h.node.ino].session.write(off, buf)
+
+    async def _commit(self, node: Node) -> None:
+        w = self.writing.get(node.ino)
+        if w is None or w.unlinked:
+            return
+        w.session.path = node.path
+        node.set_manifest(await w.session.flush())
+
+    @boundary
+    async def flush(self, fh: int) -> None:
+        h = self.handles[fh]
+        if h.writable:
+            await self._commit(h.node)
+
+    @boundary
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        h = self.handles[fh]
+        if h.writable:
+            await self._commit(h.node)
+
+    @boundary
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        if h.reader is not None:
+            await h.reader.aclose()
+        if not h.writable:
+            return
+        w = self.writing[h.node.ino]
+        w.handles -= 1
+        if w.handles:
+            return
+        try:
+            await self._commit(h.node)   # normally a no-op: flush committed at close
+        finally:
+            del self.writing[h.node.ino]
+            await w.session.aclose()
+            if h.node.manifest is None and not w.unlinked and h.node.path in self.ns.by_path:
+                self.ns.remove(h.node)   # never committed: it never existed for anyone else
+
+    @boundary
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.ns.node(inode)
+        if node.is_dir:
+            return self.attributes(node)
+        w = self.writing.get(inode)
+        if fields.update_size:
+            if w is None:          # truncate(2) on a closed file: a session of its own, committed now
+                w = await self._session(node, truncate=attr.st_size == 0)
+                try:
+                    await w.session.truncate(attr.st_size)
+                    await self._commit(node)
+                finally:
+                    del self.writing[inode]
+                    await w.session.aclose()
+                w = None
+            else:
+                await w.session.truncate(attr.st_size)
+        if fields.update_mode:
+            if w is not None:
+                w.session.mode = attr.st_mode & 0o7777
+            elif node.manifest is not None:
+                await self._rewrite(node, mode=attr.st_mode & 0o7777)
+        if fields.update_mtime and w is None and node.manifest is not None:
+            await self._rewrite(node, mtime_ns=attr.st_mtime_ns)
+        return self.attributes(node)
+
+    async def _rewrite(self, node: Node, **changes: Any) -> None:
+        """A new version with other attributes and the same chunks."""
+        assert node.manifest is not None
+        m = dataclasses.replace(node.manifest, version=max(new_version(), node.manifest.version + 1), **changes)
+        await self.catalog.commit(m)
+        node.set_manifest(m)
+
+    # -- names ------------------------------------------------------------------------------------
+    @boundary
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.attributes(self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=True))
+
+    @boundary
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        node = self.ns.lookup(parent_inode, os.fsdecode(name))
+        if node.is_dir:
+            raise IsADirectory(f"{node.path}: is a folder")
+        if node.manifest is not None:
+            await self.catalog.remove(node.path)
+        w = self.writing.get(node.ino)
+        if w is not None:
+            w.unlinked = True            # open handles keep working; nothing is committed
+        self.ns.remove(node)
+
+    @boundary
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        node = self.ns.lookup(parent_inode, os.fsdecode(name))
+        if not node.is_dir:
+            raise NotADirectory(f"{node.path}: not a folder")
+        if node.children:
+            raise NotEmpty(f"{node.path}: not empty")
+        self.ns.remove(node)
+
+    @boundary
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        node = self.ns.lookup(parent_inode_old, os.fsdecode(name_old))
+        new_parent = self.ns.node(parent_inode_new)
+        new_name = os.fsdecode(name_new)
+        if not new_parent.is_dir:
+            raise NotADirectory(f"{new_parent.path}: not a folder")
+        target = new_parent.children.get(new_name)
+        if target == node.ino:
+            return
+        if target is not None:
+            t = self.ns.node(target)
+            if flags & pyfuse3.RENAME_NOREPLACE:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            if t.is_dir != node.is_dir:
+                raise (IsADirectory if t.is_dir else NotADirectory)(f"{t.path}: cannot replace")
+            if t.is_dir and t.children:
+                raise NotEmpty(f"{t.path}: not empty")
+            if t.is_dir or t.manifest is None:
+                self.ns.remove(t)
+        old_paths = {n.ino: n.path for n in self.ns.files_below(node)}
+        if target is not None and target in self.ns.nodes:
+            # The replaced file's manifest is overwritten by the commit under its path.
+            t = self.ns.node(target)
+            if t.ino in self.writing:
+                self.writing[t.ino].unlinked = True
+            self.ns.remove(t)
+        self.ns.move(node, new_parent, new_name)
+        for f in self.ns.files_below(node):
+            if f.manifest is not None:
+                f.set_manifest(await self.catalog.move(f.manifest, f.path))
+            w = self.writing.get(f.ino)
+            if w is not None:
+                w.session.path = f.path
+            log.debug("renamed %s -> %s", old_paths[f.ino], f.path)
+
+    async def _unsupported(self, *args: Any) -> Any:
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    mknod = symlink = link = _unsupported

@@ -1,4 +1,8 @@
-"""The folder tree a mount shows, derived from the set of manifests, with stable inode numbers."""
+"""The folder tree a mount shows, derived from the set of manifests, with stable inode numbers.
+
+Files come from manifests; folders from their paths (and, within one mount, from mkdir). A file being
+written has a node before its first commit, visible in this mount only.
+"""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pyfuse3
 
-from .errors import ManifestError, NotFound
+from .errors import Exists, ManifestError, NotADirectory, NotFound
 from .manifest import Manifest, parent_dirs
 from .tensor_index import TensorIndex
 
@@ -20,17 +24,18 @@ ROOT = pyfuse3.ROOT_INODE
 class Node:
     ino: int
     path: str
-    manifest: Manifest | None = None          # None for folders
+    is_dir: bool
+    manifest: Manifest | None = None          # the committed version; None for folders and new files
     children: dict[str, int] = field(default_factory=dict)
     _index: TensorIndex | None = None
 
     @property
-    def is_dir(self) -> bool:
-        return self.manifest is None
+    def name(self) -> str:
+        return posixpath.basename(self.path)
 
     @property
     def index(self) -> TensorIndex | None:
-        """The parsed tensor index, parsed once per file (not per open or read)."""
+        """The parsed tensor index, parsed once per version (not per open or read)."""
         if self._index is None and self.manifest is not None and self.manifest.tensor_index:
             try:
                 self._index = TensorIndex.from_json(self.manifest.tensor_index)
@@ -38,10 +43,13 @@ class Node:
                 raise ManifestError(f"{self.path}: bad tensor index in manifest: {e}") from None
         return self._index
 
+    def set_manifest(self, manifest: Manifest | None) -> None:
+        self.manifest, self._index = manifest, None
+
 
 class Namespace:
     def __init__(self, manifests: dict[str, Manifest]) -> None:
-        self.nodes: dict[int, Node] = {ROOT: Node(ROOT, "/")}
+        self.nodes: dict[int, Node] = {ROOT: Node(ROOT, "/", True)}
         self.by_path: dict[str, int] = {"/": ROOT}
         self._inos = itertools.count(ROOT + 1)
         for path in sorted(manifests):
@@ -50,30 +58,69 @@ class Namespace:
             except ManifestError as e:
                 log.warning("skipping a file: %s", e)
 
-    def _new(self, path: str, manifest: Manifest | None) -> Node:
-        ino = next(self._inos)
-        node = self.nodes[ino] = Node(ino, path, manifest)
-        self.by_path[path] = ino
-        parent = self.nodes[self.by_path[posixpath.dirname(path)]]
-        parent.children[posixpath.basename(path)] = ino
+    def _new(self, path: str, is_dir: bool, manifest: Manifest | None = None) -> Node:
+        node = Node(next(self._inos), path, is_dir, manifest)
+        self.nodes[node.ino] = node
+        self.by_path[path] = node.ino
+        self.parent(node).children[node.name] = node.ino
         return node
 
+    def parent(self, node: Node) -> Node:
+        return self.nodes[self.by_path[posixpath.dirname(node.path)]]
+
     def add(self, manifest: Manifest) -> Node:
-        """Add a file (and the folders its path implies). A path that is a folder here is skipped."""
+        """Add or update a file (and the folders its path implies)."""
         for d in parent_dirs(manifest.path):
             ino = self.by_path.get(d)
             if ino is None:
-                self._new(d, None)
+                self._new(d, True)
             elif not self.nodes[ino].is_dir:
                 raise ManifestError(f"{manifest.path}: {d} is a file, not a folder")
         ino = self.by_path.get(manifest.path)
         if ino is None:
-            return self._new(manifest.path, manifest)
+            return self._new(manifest.path, False, manifest)
         node = self.nodes[ino]
         if node.is_dir:
             raise ManifestError(f"{manifest.path}: is a folder here")
-        node.manifest, node._index = manifest, None
+        node.set_manifest(manifest)
         return node
+
+    def create(self, parent: Node, name: str, is_dir: bool) -> Node:
+        if not parent.is_dir:
+            raise NotADirectory(f"{parent.path}: not a folder")
+        if name in parent.children:
+            raise Exists(f"{posixpath.join(parent.path, name)}: exists")
+        return self._new(posixpath.join(parent.path, name), is_dir)
+
+    def remove(self, node: Node) -> None:
+        """Drop a node (a folder with everything below it)."""
+        for child in list(node.children.values()):
+            self.remove(self.nodes[child])
+        self.parent(node).children.pop(node.name, None)
+        del self.by_path[node.path]
+        del self.nodes[node.ino]
+
+    def files_below(self, node: Node) -> list[Node]:
+        if not node.is_dir:
+            return [node]
+        return [f for c in node.children.values() for f in self.files_below(self.nodes[c])]
+
+    def move(self, node: Node, parent: Node, name: str) -> None:
+        """Re-home a node (and rename everything below it); the target name must be free."""
+        self.parent(node).children.pop(node.name, None)
+        old = node.path
+        parent.children[name] = node.ino
+        for n in [node] + [self.nodes[i] for i in self._descendants(node)]:
+            del self.by_path[n.path]
+            n.path = posixpath.join(parent.path, name) + n.path[len(old):]
+            self.by_path[n.path] = n.ino
+
+    def _descendants(self, node: Node) -> list[int]:
+        out = []
+        for c in node.children.values():
+            out.append(c)
+            out.extend(self._descendants(self.nodes[c]))
+        return out
 
     def node(self, ino: int) -> Node:
         try:
@@ -86,7 +133,7 @@ class Namespace:
         if name == ".":
             return node
         if name == "..":
-            return self.node(self.by_path[posixpath.dirname(node.path)])
+            return self.parent(node) if node.ino != ROOT else node
         try:
             return self.nodes[node.children[name]]
         except KeyError:
