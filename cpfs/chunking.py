@@ -4,13 +4,33 @@ Fixed-size cuts would let one changed tensor shift or straddle the chunks of its
 So large tensors (records of a torch zip, tensors of a safetensors file) start and end on a cut, and
 only the small records between them share chunks: a checkpoint in which most tensors are unchanged
 then shares most chunks with its predecessor. No chunk exceeds `chunk_size`.
+
+The cut points come from the file's tensor index when it has one (`tensor_boundaries`). A
+BoundaryScanner finds the same points from the bytes alone, in file order, so a file being written
+can be cut before its index exists (the zip directory comes last); it is also the fallback for a file
+without an index, such as a zip whose pickle the indexer rejects. `cut_points` picks between the two:
+`cpfs put` and files written through the mount both call it, so the same bytes give the same chunks.
 """
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+import copy
+import json
+import struct
+from collections.abc import Callable, Iterable, Sequence
 
 from .tensor_index import TensorIndex
+
+ReadAt = Callable[[int, int], bytes]
+
+_INF = 1 << 62                     # beyond any file
+_U32 = 0xFFFFFFFF
+_LOCAL = b"PK\x03\x04"             # zip local file header
+_DESCRIPTOR = b"PK\x07\x08"        # zip data descriptor
+_AFTER_MEMBER = (_LOCAL, b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06")
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_SCAN_BLOCK = 1 << 20
+_MAX_SAFETENSORS_HEADER = 100 << 20
 
 
 def tensor_boundaries(index: TensorIndex | None, chunk_size: int) -> list[int]:
@@ -29,15 +49,232 @@ def tensor_boundaries(index: TensorIndex | None, chunk_size: int) -> list[int]:
     return sorted(points)
 
 
-def cut(size: int, chunk_size: int, boundaries: list[int] = ()) -> list[tuple[int, int]]:
+def cut_points(read_at: ReadAt, size: int, index: TensorIndex | None, chunk_size: int,
+               scanner: BoundaryScanner | None = None) -> list[int]:
+    """The cut points of a `size`-byte file: its index's when it has one, else the scanner's.
+
+    Blocking without an index (it reads the file through `read_at`): run it in a thread. `scanner`,
+    one that has already consumed a prefix of these very bytes, saves reading that prefix again; it is
+    copied, never changed."""
+    if index is not None:
+        return tensor_boundaries(index, chunk_size)
+    scanner = scanner.copy() if scanner is not None else BoundaryScanner(chunk_size)
+    scanner.advance(read_at, size, eof=True, budget=_INF)
+    return scanner.boundaries
+
+
+def chunk_end(pos: int, chunk_size: int, boundaries: Sequence[int]) -> int:
+    """Where the chunk starting at `pos` ends, the end of the file aside: the next cut point, at most
+    chunk_size on."""
+    end = pos + chunk_size
+    i = bisect.bisect_right(boundaries, pos)
+    if i < len(boundaries) and boundaries[i] < end:
+        end = boundaries[i]
+    return end
+
+
+def cut(size: int, chunk_size: int, boundaries: Sequence[int] = ()) -> list[tuple[int, int]]:
     """(offset, length) of every chunk of a `size`-byte file."""
     spans = []
     pos = 0
     while pos < size:
-        end = min(pos + chunk_size, size)
-        i = bisect.bisect_right(boundaries, pos)
-        if i < len(boundaries) and boundaries[i] < end:
-            end = boundaries[i]
+        end = min(chunk_end(pos, chunk_size, boundaries), size)
         spans.append((pos, end - pos))
         pos = end
     return spans
+
+
+class _ShortRead(Exception):
+    """The file is shorter than the scanner was told (truncated under it)."""
+
+
+class BoundaryScanner:
+    """Predicts a checkpoint's chunk cut points from its bytes, read in file order as they are written.
+
+    The cut points are those `tensor_boundaries` derives from the finished file's index: start and end
+    of every record of at least chunk_size/8 bytes, records being zip members (torch) or safetensors
+    tensors. Zip members are followed through their local headers; a member written with a data
+    descriptor (flag bit 3, as torch.save does) ends where a descriptor signature is followed by the
+    member's own length, the only way to learn where it ends before the zip directory exists.
+    Anything else yields no cut points (fixed-size chunks).
+
+    `advance` is blocking (it reads through `read_at`): run it in a thread. It decides only on bytes
+    that exist, so advancing in steps over a growing file gives what one pass over the finished file
+    gives, as long as the bytes it has read (below `read_upto`) do not change afterwards.
+    """
+
+    def __init__(self, chunk_size: int) -> None:
+        self.min_len = max(1, chunk_size // 8)
+        self.boundaries: list[int] = []   # sorted
+        self.known_upto = 0               # every cut point below this offset is in `boundaries`
+        self.need = 9                     # no progress until the file holds this many bytes
+        self.read_upto = 0                # set before reading: bytes below it may have been used
+        self._state = "detect"
+        self._at = 0                      # next local header, or scan position in a member's data
+        self._member = 0                  # data offset of the member being scanned
+        self._big = False                 # that member is known to reach min_len
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def copy(self) -> BoundaryScanner:
+        clone = copy.copy(self)
+        clone.boundaries = list(self.boundaries)
+        return clone
+
+    def advance(self, read_at: ReadAt, limit: int, eof: bool = False, budget: int = 8 << 20) -> None:
+        """Consume bytes below `limit` (with `eof`, the file ends there) until more are needed or
+        about `budget` bytes were read."""
+        start = self.read_upto
+        try:
+            while not self.done and (eof or self.need <= limit) and self.read_upto - start < budget:
+                if not getattr(self, f"_{self._state}")(read_at, limit, eof):
+                    break
+        except _ShortRead:
+            self.need = limit + 1  # a truncate raced us; the session restarts with a new scanner
+
+    def _read(self, read_at: ReadAt, offset: int, length: int) -> bytes:
+        self.read_upto = max(self.read_upto, offset + length)
+        data = read_at(offset, length)
+        if len(data) != length:
+            raise _ShortRead
+        return data
+
+    def _finish(self) -> None:
+        self._state = "done"
+        self.need = self.known_upto = _INF
+
+    def _have(self, end: int, limit: int, eof: bool) -> bool:
+        """Whether bytes up to `end` exist; if the file ends before, scanning is over."""
+        if end <= limit:
+            return True
+        if eof:
+            self._finish()
+        else:
+            self.need = end
+        return False
+
+    def _add(self, start: int, length: int) -> None:
+        if length >= self.min_len:
+            if not self.boundaries or self.boundaries[-1] < start:
+                self.boundaries.append(start)
+            self.boundaries.append(start + length)
+
+    def _detect(self, read_at: ReadAt, limit: int, eof: bool) -> bool:
+        if not self._have(9, limit, eof):
+            return False
+        head = self._read(read_at, 0, 9)
+        if head[:4] == _LOCAL:
+            self._state, self._at = "zip_header", 0
+        elif head[8:9] == b"{":
+            self._state = "safetensors"
+        else:
+            self._finish()
+        return True
+
+    def _safetensors(self, read_at: ReadAt, limit: int, eof: bool) -> bool:
+        (n,) = struct.unpack("<Q", self._read(read_at, 0, 8))
+        if not 0 < n <= _MAX_SAFETENSORS_HEADER:
+            self._finish()
+            return True
+        if not self._have(8 + n, limit, eof):
+            return False
+        points: set[int] = set()
+        try:
+            header = json.loads(self._read(read_at, 8, n))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    begin, end = info["data_offsets"]
+                    if (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
+                            and end - begin >= self.min_len):
+                        points.update((8 + n + begin, 8 + n + end))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            points = set()  # not safetensors after all: fixed-size chunks
+        self.boundaries = sorted(points)
+        self._finish()
+        return True
+
+    def _zip_header(self, read_at: ReadAt, limit: int, eof: bool) -> bool:
+        h = self._at
+        self.known_upto = h
+        if not self._have(h + 30, limit, eof):
+            return False
+        fixed = self._read(read_at, h, 30)
+        if fixed[:4] != _LOCAL:  # the central directory, or not a zip we understand: no more cuts
+            self._finish()
+            return True
+        _, _, flags, _, _, _, _, comp, uncomp, nlen, elen = _LOCAL_HEADER.unpack(fixed)
+        data = h + 30 + nlen + elen
+        if not self._have(data, limit, eof):
+            return False
+        if flags & 8:  # sizes follow the data in a descriptor
+            self._state, self._member, self._at, self._big = "zip_data", data, data, False
+            return True
+        if _U32 in (comp, uncomp):
+            comp = _zip64_local_size(self._read(read_at, h + 30 + nlen, elen), comp, uncomp)
+        self._add(data, comp)
+        self._at = data + comp
+        return True
+
+    def _zip_data(self, read_at: ReadAt, limit: int, eof: bool) -> bool:
+        start, pos = self._member, self._at
+        end = min(limit, pos + _SCAN_BLOCK)
+        block = self._read(read_at, pos, end - pos) if end > pos else b""
+        q = block.find(_DESCRIPTOR)
+        while q >= 0:
+            at = pos + q
+            if at + 28 > limit and not eof:  # cannot tell yet: wait for the bytes after it
+                self._scanned(at)
+                self.need = at + 28
+                return at > pos
+            tail = block[q:q + 28] if q + 28 <= len(block) else self._read(read_at, at, min(28, limit - at))
+            size = _descriptor_size(tail, at - start)
+            if size:
+                self._add(start, at - start)
+                self._state, self._at = "zip_header", at + size
+                return True
+            q = block.find(_DESCRIPTOR, q + 1)
+        if eof and end >= limit:  # the member runs to the end of the file
+            self._finish()
+            return True
+        self._scanned(max(pos, end - 3))  # a signature may straddle the block's end
+        self.need = end + 1
+        return self._at > pos
+
+    def _scanned(self, pos: int) -> None:
+        """Bytes below `pos` of the current member hold no descriptor."""
+        self._at = pos
+        if not self._big and pos - self._member >= self.min_len:
+            self._big = True
+            self.boundaries.append(self._member)
+        self.known_upto = pos if self._big else self._member
+
+
+def _zip64_local_size(extra: bytes, comp: int, uncomp: int) -> int:
+    """A local header's compressed size when its 32-bit field is the zip64 sentinel."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            values = list(struct.unpack_from(f"<{min(n, len(extra) - pos - 4) // 8}Q", extra, pos + 4))
+            if uncomp == _U32 and values:
+                values.pop(0)
+            if comp == _U32 and values:
+                return values[0]
+            break
+        pos += 4 + n
+    return comp
+
+
+def _descriptor_size(tail: bytes, length: int) -> int:
+    """16 or 24 if `tail` starts a data descriptor for a member of `length` bytes, else 0.
+    A false match needs the signature and the exact length at the same place: 64 bits by chance."""
+    if len(tail) < 16 or tail[:4] != _DESCRIPTOR:
+        return 0
+    comp32, uncomp32 = struct.unpack_from("<II", tail, 8)
+    if comp32 == length and (uncomp32 != 0 or tail[16:20] in _AFTER_MEMBER):
+        return 16
+    if len(tail) >= 24 and struct.unpack_from("<Q", tail, 8)[0] == length:
+        return 24  # zip64 descriptor
+    return 0

@@ -1,11 +1,11 @@
 """The write path's file layer: WriteSession against real directory stores, without FUSE."""
 from __future__ import annotations
 
+import argparse
 import errno
 import io
 import os
 import random
-import struct
 import zipfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,14 +20,13 @@ import trio
 
 from conftest import write_config
 from cpfs.catalog import Catalog
-from cpfs.chunking import tensor_boundaries
 from cpfs.config import Config, load_config
 from cpfs.errors import NotFound, StoreError, StoreFull
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
 from cpfs.tensor_index import build_index
-from cpfs.writer import BoundaryScanner, StagingError, WriteSession
+from cpfs.writer import StagingError, WriteSession
 
 MiB = 1024 * 1024
 
@@ -126,75 +125,6 @@ def model(layers: int, width: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
-# ---------------------------------------------------------------- the boundary scanner
-
-def _checkpoints() -> dict[str, bytes]:
-    rng = random.Random(7)
-    sd = {f"t{i}": torch.randn(rng.choice([1, 100, 3000, 9000, 40000])) for i in range(40)}
-    sd["empty"] = torch.zeros(0)
-    sd["view"] = sd["t3"][1:]
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    plain_zip = io.BytesIO()
-    with zipfile.ZipFile(plain_zip, "w") as z:
-        z.writestr("a.bin", os.urandom(50_000))
-        z.writestr("b.bin", os.urandom(30_000))
-    return {
-        "torch": buf.getvalue(),
-        "safetensors": safetensors.torch.save({k: v.contiguous() for k, v in sd.items() if k != "view"}),
-        "zipfile": plain_zip.getvalue(),
-        "random": os.urandom(300_000),
-    }
-
-
-@pytest.mark.parametrize("kind", ["torch", "safetensors", "zipfile", "random"])
-def test_scanner_predicts_the_index_cut_points_while_bytes_arrive(kind: str) -> None:
-    data = _checkpoints()[kind]
-    chunk_size = 64 * 1024
-    read_at = lambda off, n: data[off:off + n]
-
-    one_pass = BoundaryScanner(chunk_size)
-    one_pass.advance(read_at, len(data), eof=True, budget=1 << 40)
-
-    stepped, rng, limit = BoundaryScanner(chunk_size), random.Random(1), 0
-    while limit < len(data):
-        limit = min(len(data), limit + rng.choice([1, 7, 30, 100, 4096, 50_000]))
-        stepped.advance(read_at, limit)
-        # Never claims knowledge it cannot have: what it reports below known_upto is final.
-        known = [b for b in one_pass.boundaries if b < min(stepped.known_upto, limit)]
-        assert [b for b in stepped.boundaries if b < min(stepped.known_upto, limit)] == known
-    stepped.advance(read_at, len(data), eof=True, budget=1 << 40)
-    assert stepped.boundaries == one_pass.boundaries
-
-    index = build_index(read_at, len(data))
-    if kind in ("torch", "safetensors"):
-        assert index is not None and one_pass.boundaries == tensor_boundaries(index, chunk_size)
-        assert len(one_pass.boundaries) > 10
-    elif kind == "zipfile":  # no tensor index, but the zip members still give the cuts
-        expected = []
-        for info in zipfile.ZipFile(io.BytesIO(data)).infolist():
-            nlen, elen = struct.unpack_from("<HH", data, info.header_offset + 26)
-            start = info.header_offset + 30 + nlen + elen
-            expected += [start, start + info.compress_size]
-        assert one_pass.boundaries == expected
-    else:
-        assert one_pass.boundaries == []
-
-
-def test_scanner_follows_zip64_data_descriptors() -> None:
-    """miniz writes 24-byte descriptors once a member's header lies beyond 4 GiB."""
-    out, expected = bytearray(), []
-    for i, size in enumerate([100_000, 3, 50_000]):
-        name = f"archive/data/{i}".encode()
-        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 8, 0, 0, 0, 0, 0, 0, len(name), 0) + name
-        expected += [len(out), len(out) + size] if size >= 8192 else []
-        out += os.urandom(size) + struct.pack("<IIQQ", 0x08074B50, 0, size, size)
-    out += b"PK\x01\x02" + bytes(60)
-    scanner = BoundaryScanner(64 * 1024)
-    scanner.advance(lambda off, n: bytes(out[off:off + n]), len(out), eof=True)
-    assert scanner.boundaries == expected and scanner.done
-
-
 # ---------------------------------------------------------------- round trips
 
 async def test_torch_save_round_trips_and_cuts_like_the_importer(env: Env, tmp_path: Path) -> None:
@@ -216,6 +146,23 @@ async def test_torch_save_round_trips_and_cuts_like_the_importer(env: Env, tmp_p
     copy = tmp_path / "copy.pt"
     copy.write_bytes(staged)
     imported = await Importer(env.pool, env.catalog).put_file(copy, "/imported.pt")
+    assert [c.digest for c in imported.chunks] == [c.digest for c in m.chunks]
+
+
+async def test_torch_zip_without_index_cuts_like_the_importer(env: Env, tmp_path: Path) -> None:
+    """A pickle global the indexer rejects leaves no tensor index: put and the mount still cut alike."""
+    sd = {**model(layers=3, width=192), "args": argparse.Namespace(lr=0.1, steps=100)}
+    async with open_session(env, "/run1/with_args.pt") as s:
+        await save_into(s, lambda f: torch.save(sd, f))
+        staged = await s.read(0, s.size)
+        m = await s.flush()
+    assert m.tensor_index is None and build_index(lambda off, n: staged[off:off + n], len(staged)) is None
+    assert len(m.chunks) > len(staged) // env.config.chunk_size + 1  # cut on zip members, not fixed-size
+
+    copy = tmp_path / "with_args.pt"
+    copy.write_bytes(staged)
+    imported = await Importer(env.pool, env.catalog).put_file(copy, "/imported_with_args.pt")
+    assert imported.tensor_index is None
     assert [c.digest for c in imported.chunks] == [c.digest for c in m.chunks]
 
 

@@ -1,0 +1,114 @@
+"""A write session's staging file: the sparse local file that holds a file's bytes until they are stored.
+
+It is created on first use, with the size of the version it starts from (whose bytes arrive only as
+they are needed), and removed on close. Every blocking call that uses it runs in a worker thread
+under a limiter, and is counted, so that close waits for the threads still using the descriptor.
+OSErrors come back as StagingError carrying their errno.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .errors import CpfsError
+
+
+class StagingError(CpfsError):
+    """The local staging file failed (disk full, I/O error), or the session is closed."""
+
+    def __init__(self, message: str, err: int = errno.EIO) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class StagingFile:
+    """`label()` names the file being written in error messages; `io_limiter` bounds reads and writes."""
+
+    def __init__(self, path: Path, size: int, io_limiter: trio.CapacityLimiter, label: Callable[[], str]) -> None:
+        self.path = path
+        self.closed = False  # set by the session as it starts closing: nothing new may start
+        self._size = size
+        self._io = io_limiter
+        self._label = label
+        self._fd: int | None = None
+        self._creating: trio.Event | None = None
+        self._busy = 0  # threads using the file
+        self._drained = trio.Event()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StagingError(f"{self._label()}: write session is closed", errno.EBADF)
+
+    async def run(self, fn: Callable[..., Any], *args: object, limiter: trio.CapacityLimiter) -> Any:
+        """Run blocking work that uses the file in a thread; OSErrors become StagingError."""
+        self.check_open()
+        self._busy += 1
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+        except OSError as e:
+            raise StagingError(f"{self._label()}: staging file {self.path}: {e.strerror or e}",
+                               e.errno or errno.EIO) from None
+        finally:
+            self._busy -= 1
+            if self.closed and not self._busy:
+                self._drained.set()
+
+    async def fd(self) -> int:
+        """The descriptor, the file created on first use."""
+        while self._fd is None:
+            if self._creating is not None:
+                await self._creating.wait()  # if that attempt failed, the loop tries again
+                continue
+            self._creating = trio.Event()
+            try:
+                self._fd = await self.run(self._create, limiter=self._io)
+            finally:
+                self._creating.set()
+                self._creating = None
+        return self._fd
+
+    async def pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        await self.run(_pwrite_all, await self.fd(), data, offset, limiter=self._io)
+
+    async def pread(self, offset: int, length: int) -> bytes:
+        return await self.run(os.pread, await self.fd(), length, offset, limiter=self._io)
+
+    async def truncate(self, size: int) -> None:
+        await self.run(os.ftruncate, await self.fd(), size, limiter=self._io)
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """Blocking read of the file once created, for work in `run`."""
+        assert self._fd is not None
+        return os.pread(self._fd, length, offset)
+
+    async def aclose(self) -> None:
+        """Wait for the threads using the file, then close and delete it."""
+        self.closed = True
+        if self._busy:
+            await self._drained.wait()
+        fd, self._fd = self._fd, None
+        await trio.to_thread.run_sync(self._remove, fd, limiter=self._io)
+
+    def _create(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        if self._size:
+            os.ftruncate(fd, self._size)  # the base version's bytes arrive as they are needed
+        return fd
+
+    def _remove(self, fd: int | None) -> None:
+        if fd is not None:
+            os.close(fd)
+        self.path.unlink(missing_ok=True)

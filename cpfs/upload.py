@@ -1,0 +1,110 @@
+"""Storing chunks: a span of a local file encoded, put on its placement, each chunk once.
+
+`cpfs put` (importer) and files written through the mount (writer) store chunks alike: read a span,
+hash and compress it in a thread (`encode_span`), then put it on the stores placement picks for its
+digest (`Uploader.store`), which skips stores that hold it already. Within one uploader a chunk is
+stored once: the same chunk again (zeros, shared tensors) waits for the first upload and reuses it.
+`in_parallel` runs the spans of a file through a fixed set of workers.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import trio
+
+from . import chunk as chunkfmt
+from .errors import CpfsError
+from .manifest import ChunkEntry
+from .placement import place
+from .pool import StorePool
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def encode_span(fd: int, offset: int, length: int, compression: str, name: str) -> chunkfmt.EncodedChunk:
+    """Bytes [offset, offset+length) of the open file `name`, encoded as a chunk. Blocking: run it in
+    a thread."""
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise CpfsError(f"{name}: short read at offset {offset}: the file shrank meanwhile")
+    return chunkfmt.encode(data, compression)
+
+
+@dataclass(frozen=True)
+class UploadStats:
+    chunks_new: int         # chunks put on at least one store that lacked them
+    chunks_deduped: int     # chunks every target store (or an earlier call) held already
+    new_raw_bytes: int      # raw bytes of chunks_new
+    stored_bytes: int       # compressed bytes of chunks_new sent to stores, all replicas
+
+
+class Uploader:
+    """Puts encoded chunks on their placement, each digest once (identical chunks wait for the first)."""
+
+    def __init__(self, pool: StorePool) -> None:
+        self._pool = pool
+        self._cfg = pool.config
+        self._placed: dict[str, ChunkEntry] = {}
+        self._placing: dict[str, trio.Event] = {}
+        self._new = self._deduped = self._new_raw = self._stored = 0
+
+    def statistics(self) -> UploadStats:
+        return UploadStats(self._new, self._deduped, self._new_raw, self._stored)
+
+    async def store(self, enc: chunkfmt.EncodedChunk) -> ChunkEntry:
+        """The chunk on write_quorum of its stores; raises the first StoreError below quorum."""
+        while enc.digest in self._placing:
+            await self._placing[enc.digest].wait()
+        known = self._placed.get(enc.digest)
+        if known is not None:
+            self._deduped += 1
+            return known
+        done = self._placing[enc.digest] = trio.Event()
+        try:
+            targets = place(enc.digest, self._pool.names, self._cfg.replicas)
+            held, new = await self._pool.store_chunk(enc, targets, self._cfg.write_quorum)
+        finally:
+            del self._placing[enc.digest]
+            done.set()
+        if new:
+            self._new += 1
+            self._new_raw += enc.raw_len
+            self._stored += enc.stored_len * len(held)
+        else:
+            self._deduped += 1
+        entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held))
+        self._placed[enc.digest] = entry
+        return entry
+
+
+async def in_parallel(fn: Callable[[T], Awaitable[R]], items: Sequence[T], workers: int) -> list[R]:
+    """fn over every item, at most `workers` at a time; results in the items' order. The first
+    CpfsError cancels the rest and is raised as it is."""
+    results: list[R | None] = [None] * len(items)
+    failures: list[CpfsError] = []
+    send, recv = trio.open_memory_channel[int](0)
+
+    async def worker(recv: trio.MemoryReceiveChannel[int], cancel: trio.CancelScope) -> None:
+        async with recv:
+            async for i in recv:
+                try:
+                    results[i] = await fn(items[i])
+                except CpfsError as e:
+                    failures.append(e)
+                    cancel.cancel()
+                    return
+
+    async with trio.open_nursery() as n:
+        for _ in range(min(len(items), workers)):
+            n.start_soon(worker, recv.clone(), n.cancel_scope)
+        await recv.aclose()
+        async with send:
+            for i in range(len(items)):
+                await send.send(i)
+    if failures:
+        raise failures[0]
+    return results  # type: ignore[return-value]  # every slot is filled when nothing failed
