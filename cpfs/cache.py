@@ -191,6 +191,13 @@ class ChunkCache:
     def _note_peak(self) -> None:
         self._peak = max(self._peak, self._used + self._inflight)
 
+    def discard(self, key: str) -> None:
+        """Drop an unpinned entry now: its bytes live on elsewhere (e.g. in the kernel page cache)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.pins == 0:
+            del self._entries[key]
+            self._used -= len(entry.data)
+
     def clear(self) -> None:
         """Drop every unpinned entry (used on unmount and by benchmarks for a cold start)."""
         budget, self.budget = self.budget, 0

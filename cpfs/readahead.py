@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 Fetch = Callable[[ChunkEntry, str], Awaitable[bytes]]
 OnChunk = Callable[[int, int, bytes], Awaitable[None]]   # (inode, file offset, data)
+PAGE = 4096
 SEQ_SLACK = 4 * 1024**2    # reads this far behind or ahead of the last one still count as sequential
 
 
@@ -70,6 +71,12 @@ class Scheduler:
         self._open = self._reads = self._read_bytes = 0
         self._demand = self._prefetches = self._failures = self._pushed = 0
         self._inflight = self._peak = 0
+        self._in_kernel: dict[tuple[int, int], set[int]] = {}
+
+    def in_kernel(self, inode: int, manifest: Manifest) -> set[int]:
+        """Chunks of this version of a file already pushed to the kernel page cache: shared by every
+        open of the file, so a second open does not fetch again what the kernel holds."""
+        return self._in_kernel.setdefault((inode, manifest.version), set())
 
     def statistics(self) -> SchedulerStats:
         return SchedulerStats(self._open, self._reads, self._read_bytes, self._demand, self._prefetches, self._failures, self._pushed,
@@ -117,7 +124,7 @@ class FileReader:
         self.ahead = 0                      # bytes prefetched (pinned or in flight) not yet consumed
         self.pinned: set[int] = set()
         self.inflight: set[int] = set()
-        self.pushed: set[int] = set()
+        self.pushed = sched.in_kernel(inode, manifest) if sched.on_chunk else set()
         self.closed = False
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
@@ -150,7 +157,7 @@ class FileReader:
         while self.cursor < len(self.plan) and self.window > 0:
             i = self.plan[self.cursor]
             entry = self.m.chunks[i]
-            if i in self.pinned or i in self.inflight or entry.digest in cache:
+            if i in self.pinned or i in self.inflight or i in self.pushed or entry.digest in cache:
                 self.cursor += 1
                 continue
             if self.ahead + entry.raw_len > self.window or not cache.reserve(entry.raw_len):
@@ -202,6 +209,12 @@ class FileReader:
             return
         self.sched._pushed += 1
         self._consume(i)
+        # The kernel holds the chunk now; keeping it here too would double the memory a load touches.
+        # Not if it starts or ends inside a page: the kernel cannot mark a partial page valid, so it
+        # will still ask for those pages.
+        start, end = self.m.offsets[i], self.m.offsets[i + 1]
+        if start % PAGE == 0 and (end % PAGE == 0 or end == self.m.size):
+            self.sched.cache.discard(self.m.chunks[i].digest)
 
     def _consume(self, i: int) -> None:
         if i in self.pinned:
@@ -245,7 +258,7 @@ class FileReader:
         for t in self.index.tensors_overlapping(offset, size):
             for i in self.m.chunk_range(t.offset, t.length):
                 e = self.m.chunks[i]
-                if i in chunks or i in self.pinned or i in self.inflight or e.digest in cache:
+                if i in chunks or i in self.pinned or i in self.inflight or i in self.pushed or e.digest in cache:
                     continue
                 if not cache.reserve(e.raw_len):
                     return
