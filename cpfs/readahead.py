@@ -23,13 +23,13 @@ import trio
 from .cache import ChunkCache
 from .config import Config
 from .manifest import ChunkEntry, Manifest
+from .pagecache import PageFeeder, Push
 from .tensor_index import TensorIndex
 
 log = logging.getLogger(__name__)
 
 Fetch = Callable[[ChunkEntry, str], Awaitable[bytes]]
-OnChunk = Callable[[int, int, bytes], Awaitable[None]]   # (inode, file offset, data)
-PAGE = 4096
+OnChunk = Push
 SEQ_SLACK = 4 * 1024**2    # reads this far behind or ahead of the last one still count as sequential
 
 
@@ -69,18 +69,24 @@ class Scheduler:
         self.on_chunk = on_chunk
         self.limiter = trio.CapacityLimiter(config.fetch_concurrency)
         self._open = self._reads = self._read_bytes = 0
-        self._demand = self._prefetches = self._failures = self._pushed = 0
+        self._demand = self._prefetches = self._failures = 0
         self._inflight = self._peak = 0
-        self._in_kernel: dict[tuple[int, int], set[int]] = {}
+        self._feeders: dict[tuple[int, int], PageFeeder] = {}
 
-    def in_kernel(self, inode: int, manifest: Manifest) -> set[int]:
-        """Chunks of this version of a file already pushed to the kernel page cache: shared by every
-        open of the file, so a second open does not fetch again what the kernel holds."""
-        return self._in_kernel.setdefault((inode, manifest.version), set())
+    def feeder(self, inode: int, manifest: Manifest) -> PageFeeder | None:
+        """The page-cache feeder of this version of a file, shared by every open of it, so a second
+        open does not fetch again what the kernel holds; None without on_chunk."""
+        if self.on_chunk is None:
+            return None
+        key = (inode, manifest.version)
+        if key not in self._feeders:
+            self._feeders[key] = PageFeeder(manifest, inode, self.on_chunk, self.cache)
+        return self._feeders[key]
 
     def statistics(self) -> SchedulerStats:
-        return SchedulerStats(self._open, self._reads, self._read_bytes, self._demand, self._prefetches, self._failures, self._pushed,
-                              self._inflight, self._peak)
+        pushed = sum(f.pushes for f in self._feeders.values())
+        return SchedulerStats(self._open, self._reads, self._read_bytes, self._demand, self._prefetches,
+                              self._failures, pushed, self._inflight, self._peak)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
                    inode: int = 0) -> "FileReader":
@@ -124,7 +130,7 @@ class FileReader:
         self.ahead = 0                      # bytes prefetched (pinned or in flight) not yet consumed
         self.pinned: set[int] = set()
         self.inflight: set[int] = set()
-        self.pushed = sched.in_kernel(inode, manifest) if sched.on_chunk else set()
+        self.feeder = sched.feeder(inode, manifest)
         self.closed = False
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
@@ -157,7 +163,7 @@ class FileReader:
         while self.cursor < len(self.plan) and self.window > 0:
             i = self.plan[self.cursor]
             entry = self.m.chunks[i]
-            if i in self.pinned or i in self.inflight or i in self.pushed or entry.digest in cache:
+            if i in self.pinned or i in self.inflight or self._in_kernel(i) or entry.digest in cache:
                 self.cursor += 1
                 continue
             if self.ahead + entry.raw_len > self.window or not cache.reserve(entry.raw_len):
@@ -190,31 +196,14 @@ class FileReader:
             self.sched.limiter.release()
             self.inflight.discard(i)
         self.pinned.add(i)
-        self._push(i, data)
+        if self.feeder is not None:
+            # Consumed once the kernel has it: the reader will not ask us, and the window bounds
+            # what waits to be pushed.
+            self.feeder.offer(self._nursery, i, data, lambda: self._consume(i))
         self._kick()
 
-    def _push(self, i: int, data: bytes) -> None:
-        """Hand a whole chunk to the kernel page cache, once; the reader's later reads never reach us."""
-        if self.sched.on_chunk is None or i in self.pushed or self._nursery is None:
-            return
-        self.pushed.add(i)
-        self._nursery.start_soon(self._push_task, i, data)
-
-    async def _push_task(self, i: int, data: bytes) -> None:
-        assert self.sched.on_chunk is not None
-        try:
-            await self.sched.on_chunk(self.inode, self.m.offsets[i], data)
-        except Exception as e:
-            log.debug("page cache push of %s chunk %d failed: %s", self.m.path, i, e)
-            return
-        self.sched._pushed += 1
-        self._consume(i)
-        # The kernel holds the chunk now; keeping it here too would double the memory a load touches.
-        # Not if it starts or ends inside a page: the kernel cannot mark a partial page valid, so it
-        # will still ask for those pages.
-        start, end = self.m.offsets[i], self.m.offsets[i + 1]
-        if start % PAGE == 0 and (end % PAGE == 0 or end == self.m.size):
-            self.sched.cache.discard(self.m.chunks[i].digest)
+    def _in_kernel(self, i: int) -> bool:
+        return self.feeder is not None and i in self.feeder.sent
 
     def _consume(self, i: int) -> None:
         if i in self.pinned:
@@ -258,7 +247,7 @@ class FileReader:
         for t in self.index.tensors_overlapping(offset, size):
             for i in self.m.chunk_range(t.offset, t.length):
                 e = self.m.chunks[i]
-                if i in chunks or i in self.pinned or i in self.inflight or i in self.pushed or e.digest in cache:
+                if i in chunks or i in self.pinned or i in self.inflight or self._in_kernel(i) or e.digest in cache:
                     continue
                 if not cache.reserve(e.raw_len):
                     return
@@ -277,7 +266,8 @@ class FileReader:
 
         async def one(k: int, i: int) -> None:
             datas[k] = await self.sched.get_chunk(self.m, i)
-            self._push(i, datas[k])
+            if self.feeder is not None:
+                self.feeder.offer(self._nursery, i, datas[k])
 
         if len(chunks) == 1:
             await one(0, chunks[0])

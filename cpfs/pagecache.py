@@ -1,0 +1,113 @@
+"""Feeding the kernel page cache ahead of the reader (FUSE notify_store).
+
+Once a chunk is in the kernel's page cache, the reader's reads (and mmap faults) never reach the
+daemon, and the daemon can drop its own copy. But the kernel only marks whole pages valid, and chunk
+cuts follow tensor boundaries, not pages. So a chunk's interior pages go to the kernel as soon as the
+chunk arrives, and a page that straddles two (or more) chunks goes as soon as every chunk covering it
+is at hand. A chunk is dropped from the daemon's cache only when every page it touches is with the
+kernel. One `PageFeeder` per version of a file, shared by all its open handles.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from .cache import ChunkCache
+from .manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+Push = Callable[[int, int, bytes | memoryview], Awaitable[None]]   # (inode, file offset, data)
+
+
+class PageFeeder:
+    def __init__(self, manifest: Manifest, inode: int, push: Push, cache: ChunkCache) -> None:
+        self.m = manifest
+        self.inode = inode
+        self.push = push
+        self.cache = cache
+        self.sent: set[int] = set()          # chunks whose interior is pushed or being pushed
+        self.done: set[int] = set()          # ... and has been pushed
+        self.pages_sent: set[int] = set()    # straddling pages pushed or being pushed
+        self.pages_done: set[int] = set()
+        self.pushes = 0
+
+    def _interior(self, i: int) -> tuple[int, int]:
+        """The whole pages of chunk i (the last page of the file counts as whole)."""
+        start, end = self.m.offsets[i], self.m.offsets[i + 1]
+        lo = -(-start // PAGE) * PAGE
+        hi = end if end == self.m.size else end - end % PAGE
+        return lo, max(lo, hi)
+
+    def _edges(self, i: int) -> set[int]:
+        """Page numbers chunk i touches but does not fill."""
+        start, end = self.m.offsets[i], self.m.offsets[i + 1]
+        lo, hi = self._interior(i)
+        pages = set()
+        if start < lo or lo == hi:
+            pages.add(start // PAGE)
+        if hi < end:
+            pages.add((end - 1) // PAGE)
+        return pages
+
+    def offer(self, nursery: trio.Nursery, i: int, data: bytes | memoryview,
+              on_sent: Callable[[], None] | None = None) -> None:
+        """Chunk i's bytes are here: push its interior once, and every straddling page it completes.
+        `on_sent` runs once the interior is with the kernel (at once if another open pushed it)."""
+        if i not in self.sent:
+            self.sent.add(i)
+            lo, hi = self._interior(i)
+            start = self.m.offsets[i]
+            nursery.start_soon(self._send, lo, memoryview(data)[lo - start:hi - start], i, None, on_sent)
+        elif on_sent is not None:
+            on_sent()
+        for page in self._edges(i) - self.pages_sent:
+            piece = self._assemble(page, i, data)
+            if piece is not None:
+                self.pages_sent.add(page)
+                nursery.start_soon(self._send, page * PAGE, piece, None, page)
+
+    def _assemble(self, page: int, i: int, data: bytes | memoryview) -> bytes | None:
+        """The page's bytes from the chunks covering it, if all are at hand."""
+        lo, hi = page * PAGE, min((page + 1) * PAGE, self.m.size)
+        parts = []
+        for j in self.m.chunk_range(lo, hi - lo):
+            chunk = data if j == i else self.cache.peek(self.m.chunks[j].digest)
+            if chunk is None:
+                return None
+            start = self.m.offsets[j]
+            parts.append(memoryview(chunk)[max(lo, start) - start:min(hi, self.m.offsets[j + 1]) - start])
+        return b"".join(parts)
+
+    async def _send(self, offset: int, data: bytes | memoryview, chunk: int | None, page: int | None,
+                    on_sent: Callable[[], None] | None = None) -> None:
+        try:
+            if len(data):
+                try:
+                    await self.push(self.inode, offset, data)
+                except Exception as e:
+                    log.debug("page cache push of %s at %d failed: %s", self.m.path, offset, e)
+                    return
+                self.pushes += 1
+        finally:
+            if on_sent is not None:
+                on_sent()
+        if chunk is not None:
+            self.done.add(chunk)
+            self._release(chunk)
+        else:
+            assert page is not None
+            self.pages_done.add(page)
+            for j in self.m.chunk_range(page * PAGE, PAGE):
+                self._release(j)
+
+    def holds(self, i: int) -> bool:
+        """Whether the kernel has every page chunk i touches."""
+        return i in self.done and self._edges(i) <= self.pages_done
+
+    def _release(self, i: int) -> None:
+        if self.holds(i):
+            self.cache.discard(self.m.chunks[i].digest)

@@ -1,0 +1,75 @@
+"""The page-cache feeder: whole pages only, each once, straddling pages once all their chunks are here."""
+from __future__ import annotations
+
+import random
+
+import trio
+
+from cpfs.cache import ChunkCache
+from cpfs.chunk import chunk_hash
+from cpfs.manifest import ChunkEntry, Manifest
+from cpfs.pagecache import PAGE, PageFeeder
+
+
+def layout(seed: int) -> tuple[Manifest, bytes]:
+    """A file with chunk cuts anywhere: tiny chunks inside one page, chunks across pages, an odd EOF."""
+    rng = random.Random(seed)
+    size = rng.randrange(20 * PAGE, 40 * PAGE)
+    cuts = sorted({rng.randrange(1, size) for _ in range(12)} | {PAGE * 5, PAGE * 5 + 10, PAGE * 5 + 20})
+    data = rng.randbytes(size)
+    bounds = [0, *cuts, size]
+    chunks = tuple(ChunkEntry(chunk_hash(data[a:b]), b - a, b - a, "raw", ("s",)) for a, b in zip(bounds, bounds[1:]))
+    return Manifest("/f", size, 0, 0o644, PAGE * 4, chunks, 1), data
+
+
+async def test_every_page_pushed_once_whole_and_chunks_dropped_when_held():
+    for seed in range(20):
+        m, data = layout(seed)
+        pushes: list[tuple[int, bytes]] = []
+
+        async def push(inode: int, offset: int, piece) -> None:
+            await trio.sleep(0)
+            pushes.append((offset, bytes(piece)))
+
+        cache = ChunkCache(1 << 30)
+        feeder = PageFeeder(m, 7, push, cache)
+        order = list(range(len(m.chunks)))
+        random.Random(seed).shuffle(order)
+        async with trio.open_nursery() as n:
+            for i in order:
+                piece = data[m.offsets[i]:m.offsets[i + 1]]
+                await cache.get(m.chunks[i].digest, len(piece), lambda p=piece: _ret(p))
+                feeder.offer(n, i, piece)
+                await trio.sleep(0)
+        kernel = bytearray(len(data))
+        covered = [0] * (-(-len(data) // PAGE))
+        for offset, piece in pushes:
+            assert offset % PAGE == 0, "pushes start on a page"
+            assert len(piece) % PAGE == 0 or offset + len(piece) == len(data), "and cover whole pages"
+            kernel[offset:offset + len(piece)] = piece
+            for p in range(offset // PAGE, -(-(offset + len(piece)) // PAGE)):
+                covered[p] += 1
+        assert covered == [1] * len(covered), f"seed {seed}: every page exactly once"
+        assert bytes(kernel) == data
+        assert all(feeder.holds(i) for i in range(len(m.chunks)))
+        assert cache.statistics().used == 0, "every chunk dropped once the kernel holds all its pages"
+
+
+async def _ret(piece: bytes) -> bytes:
+    return piece
+
+
+async def test_straddling_page_waits_for_its_other_chunk():
+    m, data = layout(3)
+    pushes: list[int] = []
+
+    async def push(inode: int, offset: int, piece) -> None:
+        pushes.append(offset)
+
+    cache = ChunkCache(1 << 30)
+    feeder = PageFeeder(m, 1, push, cache)
+    i = next(k for k in range(1, len(m.chunks)) if m.offsets[k] % PAGE)   # a chunk starting mid-page
+    async with trio.open_nursery() as n:
+        feeder.offer(n, i, data[m.offsets[i]:m.offsets[i + 1]])
+    assert m.offsets[i] // PAGE * PAGE not in pushes        # its first page needs chunk i-1 too
+    assert not feeder.holds(i)
