@@ -251,3 +251,29 @@ def test_mount_errors_are_one_clear_line_and_leave_nothing_mounted(imported, tmp
         time.sleep(0.05)
     r = attempt(imported, m.path)
     assert r.returncode == 1 and "stale mount" in r.stderr and "fusermount3 -u" in r.stderr
+
+
+def test_daemon_memory_stays_within_cache_budget_on_a_large_read(make_config, tmp_path, mount):
+    """Reading a file 8x the cache budget: the daemon's RSS grows by at most the budget + a constant."""
+    import numpy as np
+    import psutil
+
+    budget = 64 * 1024**2
+    src = tmp_path / "big.bin"
+    np.random.default_rng(0).integers(0, 255, 512 * 1024**2, dtype=np.uint8).tofile(src)
+    cfg = make_config(chunk_size="4MiB", cache="64MiB")
+    cpfs("put", str(src), "big.bin", config=cfg)
+    m = mount(cfg)
+    daemon = psutil.Process(m.pid)
+    base = daemon.memory_info().rss
+    peak = base
+    h = hashlib.sha256()
+    with open(m.path / "big.bin", "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+            peak = max(peak, daemon.memory_info().rss)
+    assert h.hexdigest() == sha(src)
+    growth = peak - base
+    print(f"daemon RSS {base / 2**20:.0f} MiB before, peak growth {growth / 2**20:.0f} MiB "
+          f"reading 512 MiB with a 64 MiB cache")
+    assert growth < budget + 128 * 1024**2
