@@ -95,7 +95,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     manifests = await catalog.load_all()
     log.info("%d files in %d stores", len(manifests), len(pool.names))
     cache = ChunkCache(config.cache_memory)
-    pusher = make_pusher(trio.CapacityLimiter(1)) if config.notify_store else None
+    pusher = make_pusher(trio.CapacityLimiter(2)) if config.notify_store else None
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher)
     staging = await trio.to_thread.run_sync(prepare_staging, staging_dir(config))
     ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)

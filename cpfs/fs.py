@@ -2,21 +2,27 @@
 
 Every handler goes through one boundary that turns cpfs errors into their errno (and anything
 unexpected into EIO with a traceback in the log): pyfuse3 stops the filesystem on any other exception.
-Committed files are immutable, so the kernel may cache names, attributes and pages (keep_cache).
-A file opened for writing gets one WriteSession, shared by all its writable handles; flush (every
-close) and fsync commit it, so close() returns only once the new version is durable.
+Committed files are immutable, so the kernel may cache names, attributes and pages (keep_cache);
+opening a file checks (at most every `refresh`) whether another mount committed a newer version, and
+if so drops what the kernel cached of it. A file opened for writing gets one WriteSession, shared by
+all its writable handles; flush (every close) and fsync commit it, so close() returns only once the new
+version is durable. A failed commit is reported to that close() and never retried behind the writer's
+back; the kernel's pages of the uncommitted bytes are dropped when the session ends.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
 import itertools
 import logging
+import math
 import os
+import posixpath
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +33,7 @@ import trio
 from .catalog import Catalog, new_version
 from .config import Config
 from .errors import CpfsError, IsADirectory, NotADirectory, NotEmpty, NotFound
+from .manifest import Manifest
 from .namespace import Namespace, Node
 from .readahead import FileReader, Scheduler
 from .writer import WriteSession
@@ -69,6 +76,7 @@ class Writing:
     session: WriteSession
     handles: int = 0
     unlinked: bool = False
+    failed: bool = False       # the last flush or fsync failed (and its caller was told)
 
 
 class CpfsOperations(pyfuse3.Operations):
@@ -85,12 +93,15 @@ class CpfsOperations(pyfuse3.Operations):
         self.nursery: trio.Nursery | None = None      # set by the daemon before requests arrive
         self.handles: dict[int, Handle] = {}
         self.writing: dict[int, Writing] = {}           # inode -> its write session
+        self._checked: dict[int, float] = {}            # inode -> when its newest version was looked up
         self._fh = itertools.count(1)
         self._uid, self._gid = os.getuid(), os.getgid()
         self._upload_slots = trio.CapacityLimiter(config.fetch_concurrency)
         self._staging_io = trio.CapacityLimiter(4)
         self._refreshed = 0.0
         self._refresh_lock = trio.Lock()
+        self._busy_paths: list[str] = []          # paths this mount is changing the manifests of
+        self._touched: set[str] | None = None     # paths changed here while the stores are listed
 
     # -- attributes and names ---------------------------------------------------------------------
     def attributes(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -101,6 +112,8 @@ class CpfsOperations(pyfuse3.Operations):
         a.st_uid, a.st_gid = self._uid, self._gid
         a.st_blksize = 1024 * 1024
         w = self.writing.get(node.ino)
+        if not node.is_dir and node.manifest is None:
+            a.entry_timeout = 0     # not committed yet: the name may go (a failed first commit)
         if node.is_dir:
             a.st_mode = stat.S_IFDIR | 0o755
             a.st_nlink = 2
@@ -122,14 +135,43 @@ class CpfsOperations(pyfuse3.Operations):
         a.st_blocks = (a.st_size + 511) // 512
         return a
 
+    @contextlib.contextmanager
+    def _changing(self, *paths: str) -> Iterator[None]:
+        """Around a change this mount makes to the manifests of `paths` (files, or folders with all
+        below them). A listing of the stores that overlaps it may have seen them before or after:
+        the refresh leaves those paths as this mount has them."""
+        self._busy_paths.extend(paths)
+        try:
+            yield
+        finally:
+            for p in paths:
+                self._busy_paths.remove(p)
+            if self._touched is not None:
+                self._touched.update(paths)
+
     async def _refresh(self) -> None:
         """Pick up files other mounts committed: re-read the manifests, at most every `refresh`."""
         async with self._refresh_lock:
             if trio.current_time() - self._refreshed < self.config.refresh:
                 return
-            manifests = await self.catalog.load_all()
+            self._touched = touched = set(self._busy_paths)
+            try:
+                manifests = await self.catalog.load_all()
+            finally:
+                self._touched = None
+            touched.update(self._busy_paths)
             self._refreshed = trio.current_time()
+            self._apply(manifests, touched)
+
+    def _apply(self, manifests: dict[str, Manifest], touched: set[str]) -> None:
+        """Make the tree match a listing of every manifest, except for files being written here and
+        paths this mount changed while the listing ran (it may predate those changes)."""
+        def changed_here(path: str) -> bool:
+            return any(path == p or path.startswith(p + "/") for p in touched)
+
         for path, m in manifests.items():
+            if changed_here(path):
+                continue
             try:
                 node = self.ns.resolve(path)
             except NotFound:
@@ -141,25 +183,36 @@ class CpfsOperations(pyfuse3.Operations):
                 node.set_manifest(m)
                 self._invalidate(node.ino)
         for node in [n for n in self.ns.nodes.values() if n.manifest is not None and n.path not in manifests
-                     and n.ino not in self.writing]:
+                     and n.ino not in self.writing and not changed_here(n.path)]:
             parent = self.ns.parent(node)
             self.ns.remove(node)
             self._invalidate(node.ino, parent.ino, node.name)
 
     def _invalidate(self, ino: int, parent: int | None = None, name: str | None = None) -> None:
         """Drop the kernel's cached pages/attributes (or name) of a file that changed elsewhere.
-        From a thread: the kernel may need a lock that the request being handled holds."""
-        def run() -> None:
-            try:
-                if name is None:
-                    pyfuse3.invalidate_inode(ino)
-                else:
-                    pyfuse3.invalidate_entry(parent, os.fsencode(name))
-            except OSError:
-                pass          # the kernel did not have it cached
-
+        From a thread, not awaited: the kernel may need a lock that the request being handled holds."""
         assert self.nursery is not None
-        self.nursery.start_soon(trio.to_thread.run_sync, run)
+        self.nursery.start_soon(trio.to_thread.run_sync, _kernel_forget, ino, parent, name)
+
+    async def _take_newer(self, node: Node) -> None:
+        """If another mount committed a newer version of this file, make it the node's (looked up at
+        most every `refresh` per file) and drop the kernel's attributes and pages of the old one.
+        Only from a request during which the kernel holds no lock on the inode (open)."""
+        if node.manifest is None or node.ino in self.writing:
+            return
+        now = trio.current_time()
+        if now - self._checked.get(node.ino, -math.inf) < self.config.refresh:
+            return
+        self._checked[node.ino] = now
+        try:
+            m = await self.catalog.get(node.path)
+        except NotFound:
+            return      # removed elsewhere: what was opened stays readable; _refresh drops the name
+        if node.manifest is None or m.version <= node.manifest.version or node.ino in self.writing:
+            return
+        node.set_manifest(m)
+        await trio.to_thread.run_sync(_kernel_forget, node.ino, None, None)
+        log.info("%s: newer version %d committed elsewhere", node.path, m.version)
 
     @boundary
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -230,6 +283,8 @@ class CpfsOperations(pyfuse3.Operations):
         node = self.ns.node(inode)
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
+        if not flags & os.O_TRUNC:
+            await self._take_newer(node)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             w = await self._session(node, truncate=bool(flags & os.O_TRUNC))
             w.handles += 1
@@ -280,7 +335,14 @@ class CpfsOperations(pyfuse3.Operations):
         if w is None or w.unlinked:
             return
         w.session.path = node.path
-        node.set_manifest(await w.session.flush())
+        with self._changing(node.path):
+            try:
+                manifest = await w.session.flush()
+            except BaseException:
+                w.failed = True
+                raise
+            w.failed = False
+            node.set_manifest(manifest)
 
     @boundary
     async def flush(self, fh: int) -> None:
@@ -308,12 +370,16 @@ class CpfsOperations(pyfuse3.Operations):
         if w.handles:
             return
         try:
-            await self._commit(h.node)   # normally a no-op: flush committed at close
+            if not w.failed:         # a failed flush was reported to close(): never commit behind it
+                await self._commit(h.node)   # normally a no-op: flush committed at close
         finally:
+            # Before any await: a request that follows the close() must not find the session or the name.
             del self.writing[h.node.ino]
-            await w.session.aclose()
             if h.node.manifest is None and not w.unlinked and h.node.path in self.ns.by_path:
                 self.ns.remove(h.node)   # never committed: it never existed for anyone else
+            elif w.failed and not w.unlinked:
+                self._invalidate(h.node.ino)    # the kernel's pages hold bytes that did not commit
+            await w.session.aclose()
 
     @boundary
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -347,8 +413,9 @@ class CpfsOperations(pyfuse3.Operations):
         """A new version with other attributes and the same chunks."""
         assert node.manifest is not None
         m = dataclasses.replace(node.manifest, version=max(new_version(), node.manifest.version + 1), **changes)
-        await self.catalog.commit(m)
-        node.set_manifest(m)
+        with self._changing(node.path):
+            await self.catalog.commit(m)
+            node.set_manifest(m)
 
     # -- names ------------------------------------------------------------------------------------
     @boundary
@@ -361,12 +428,13 @@ class CpfsOperations(pyfuse3.Operations):
         node = self.ns.lookup(parent_inode, os.fsdecode(name))
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
-        if node.manifest is not None:
-            await self.catalog.remove(node.path)
-        w = self.writing.get(node.ino)
-        if w is not None:
-            w.unlinked = True            # open handles keep working; nothing is committed
-        self.ns.remove(node)
+        with self._changing(node.path):
+            if node.manifest is not None:
+                await self.catalog.remove(node.path)
+            w = self.writing.get(node.ino)
+            if w is not None:
+                w.unlinked = True            # open handles keep working; nothing is committed
+            self.ns.remove(node)
 
     @boundary
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -390,33 +458,45 @@ class CpfsOperations(pyfuse3.Operations):
         target = new_parent.children.get(new_name)
         if target == node.ino:
             return
-        if target is not None:
-            t = self.ns.node(target)
+        t = None if target is None else self.ns.node(target)
+        if t is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:
                 raise pyfuse3.FUSEError(errno.EEXIST)
             if t.is_dir != node.is_dir:
                 raise (IsADirectory if t.is_dir else NotADirectory)(f"{t.path}: cannot replace")
             if t.is_dir and t.children:
                 raise NotEmpty(f"{t.path}: not empty")
-            if t.is_dir or t.manifest is None:
+        with self._changing(node.path, posixpath.join(new_parent.path, new_name)):
+            if t is not None:
+                if t.manifest is not None and node.manifest is None:   # else the commit under its path replaces it
+                    with contextlib.suppress(NotFound):
+                        await self.catalog.remove(t.path)
+                w = self.writing.get(t.ino)
+                if w is not None:
+                    w.unlinked = True        # open handles keep working; nothing is committed
                 self.ns.remove(t)
-        old_paths = {n.ino: n.path for n in self.ns.files_below(node)}
-        if target is not None and target in self.ns.nodes:
-            # The replaced file's manifest is overwritten by the commit under its path.
-            t = self.ns.node(target)
-            if t.ino in self.writing:
-                self.writing[t.ino].unlinked = True
-            self.ns.remove(t)
-        self.ns.move(node, new_parent, new_name)
-        for f in self.ns.files_below(node):
-            if f.manifest is not None:
-                f.set_manifest(await self.catalog.move(f.manifest, f.path))
-            w = self.writing.get(f.ino)
-            if w is not None:
-                w.session.path = f.path
-            log.debug("renamed %s -> %s", old_paths[f.ino], f.path)
+            old_paths = {n.ino: n.path for n in self.ns.files_below(node)}
+            self.ns.move(node, new_parent, new_name)
+            for f in self.ns.files_below(node):
+                if f.manifest is not None:
+                    f.set_manifest(await self.catalog.move(f.manifest, f.path))
+                w = self.writing.get(f.ino)
+                if w is not None:
+                    w.session.path = f.path
+                log.debug("renamed %s -> %s", old_paths[f.ino], f.path)
 
     async def _unsupported(self, *args: Any) -> Any:
         raise pyfuse3.FUSEError(errno.ENOTSUP)
 
     mknod = symlink = link = _unsupported
+
+
+def _kernel_forget(ino: int, parent: int | None, name: str | None) -> None:
+    """Blocking: drop the kernel's attributes and pages of `ino` (or, with `name`, that entry)."""
+    try:
+        if name is None:
+            pyfuse3.invalidate_inode(ino)
+        else:
+            pyfuse3.invalidate_entry(parent, os.fsencode(name))
+    except OSError:
+        pass          # the kernel did not have it cached
