@@ -8,6 +8,7 @@ a foreground daemon unmount the same way.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -130,17 +131,37 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
         log.info("unmounted %s; cache %s; scheduler %s", mountpoint, cache.statistics(), sched.statistics())
 
 
+_staging_lock: int | None = None       # held open (and flock'ed) for the daemon's life
+
+
+def _held(folder: Path) -> bool:
+    """Whether a live daemon holds this staging folder's lock (a killed one, even a zombie, does not)."""
+    try:
+        fd = os.open(folder / ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def prepare_staging(root: Path) -> Path:
-    """This daemon's staging folder, `root/<pid>`; folders of daemons that died (kill -9) are removed:
-    their files never committed, and the committed versions are on the stores."""
+    """This daemon's staging folder, `root/<pid>`, locked while it lives. Folders no live daemon holds
+    (left by kill -9) are removed: their files never committed, the committed versions are on the stores."""
+    global _staging_lock
     root.mkdir(parents=True, exist_ok=True)
     for d in root.iterdir():
-        if d.name.isdigit() and not Path(f"/proc/{d.name}").exists():
-            log.info("removing staging left by dead daemon %s: %s", d.name, d)
+        if d.is_dir() and not _held(d):
+            log.info("removing staging left by a dead daemon: %s", d)
             shutil.rmtree(d, ignore_errors=True)
     mine = root / str(os.getpid())
-    shutil.rmtree(mine, ignore_errors=True)
-    mine.mkdir()
+    mine.mkdir(exist_ok=True)
+    _staging_lock = os.open(mine / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(_staging_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return mine
 
 

@@ -24,6 +24,9 @@ class DirectoryStore(Store):
         self.name = name
         self.root = Path(root)
         self.limiter = limiter or trio.CapacityLimiter(8)
+        # Once the folder has existed, it is never made again: if it vanishes (an unmounted NFS
+        # export, a lost disk), puts must fail rather than start an empty store in its place.
+        self._root_seen = self.root.is_dir()
 
     def _path(self, key: str) -> Path:
         if not key or key.startswith("/") or ".." in key.split("/") or "\0" in key:
@@ -70,8 +73,27 @@ class DirectoryStore(Store):
         except OSError as e:
             raise self._error(e, key) from None
 
+    def _makedirs(self, folder: Path) -> None:
+        """Create the folders between the store's root and `folder`, never the root itself."""
+        missing = []
+        while folder != self.root and not folder.is_dir():
+            missing.append(folder)
+            folder = folder.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise StoreUnavailable(self.name, f"folder {self.root} is gone") from None
+
     def _put_sync(self, path: Path, data: bytes | memoryview) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._root_seen:
+            self.root.mkdir(parents=True, exist_ok=True)     # a new store: its first put makes it
+            self._root_seen = True
+        elif not self.root.is_dir():
+            raise StoreUnavailable(self.name, f"folder {self.root} is gone")
+        self._makedirs(path.parent)
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
