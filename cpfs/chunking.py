@@ -19,7 +19,7 @@ import json
 import struct
 from collections.abc import Callable, Iterable, Sequence
 
-from .tensor_index import TensorIndex
+from .tensor_index import TensorIndex, zip64_extra
 
 ReadAt = Callable[[int, int], bytes]
 
@@ -212,7 +212,7 @@ class BoundaryScanner:
             self._state, self._member, self._at, self._big = "zip_data", data, data, False
             return True
         if _U32 in (comp, uncomp):
-            comp = _zip64_local_size(self._read(read_at, h + 30 + nlen, elen), comp, uncomp)
+            comp = zip64_extra(self._read(read_at, h + 30 + nlen, elen), uncomp, comp)[1]
         self._add(data, comp)
         self._at = data + comp
         return True
@@ -249,22 +249,6 @@ class BoundaryScanner:
             self._big = True
             self.boundaries.append(self._member)
         self.known_upto = pos if self._big else self._member
-
-
-def _zip64_local_size(extra: bytes, comp: int, uncomp: int) -> int:
-    """A local header's compressed size when its 32-bit field is the zip64 sentinel."""
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, n = struct.unpack_from("<HH", extra, pos)
-        if tag == 1:
-            values = list(struct.unpack_from(f"<{min(n, len(extra) - pos - 4) // 8}Q", extra, pos + 4))
-            if uncomp == _U32 and values:
-                values.pop(0)
-            if comp == _U32 and values:
-                return values[0]
-            break
-        pos += 4 + n
-    return comp
 
 
 def _descriptor_size(tail: bytes, length: int) -> int:

@@ -265,7 +265,7 @@ def _zip_records(read_at: ReadAt, size: int) -> tuple[list[Record], int]:
         pos += 46 + nlen + elen + clen
         if method != 0 or flags & 1:
             raise _Malformed("compressed or encrypted member")
-        comp, local = _apply_zip64_extra(extra, uncomp, comp, local)
+        _, comp, local = zip64_extra(extra, uncomp, comp, local)
         name = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
         header = _read_exact(read_at, local, 30)
         if header[:4] != b"PK\x03\x04":
@@ -278,25 +278,19 @@ def _zip_records(read_at: ReadAt, size: int) -> tuple[list[Record], int]:
     return records, cd_offset
 
 
-def _apply_zip64_extra(extra: bytes, uncomp: int, comp: int, local: int) -> tuple[int, int]:
-    """Replace 0xFFFFFFFF sentinels with the zip64 extra field's 64-bit values.
-
-    The extra holds, in this fixed order, only the fields whose 32-bit slot is
-    the sentinel: uncompressed size, compressed size, local header offset."""
+def zip64_extra(extra: bytes, uncomp: int, comp: int, local: int = 0) -> tuple[int, int, int]:
+    """(uncompressed size, compressed size, local header offset) with 0xFFFFFFFF sentinels replaced by
+    the zip64 extra field's 64-bit values. The extra holds, in this order, only the fields whose 32-bit
+    slot is the sentinel; a value the extra lacks leaves its sentinel in place (callers reject it)."""
     pos = 0
     while pos + 4 <= len(extra):
         tag, n = struct.unpack_from("<HH", extra, pos)
         if tag == 1:
-            values = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
-            if uncomp == _U32 and values:
-                values.pop(0)
-            if comp == _U32:
-                comp = values.pop(0)
-            if local == _U32:
-                local = values.pop(0)
-            return comp, local
+            values = list(struct.unpack_from(f"<{min(n, len(extra) - pos - 4) // 8}Q", extra, pos + 4))
+            uncomp, comp, local = (values.pop(0) if v == _U32 and values else v for v in (uncomp, comp, local))
+            break
         pos += 4 + n
-    return comp, local
+    return uncomp, comp, local
 
 
 # --- pickle stubs ------------------------------------------------------------
