@@ -32,7 +32,7 @@ import trio
 
 from .catalog import Catalog, new_version
 from .config import Config
-from .errors import CpfsError, IsADirectory, NotADirectory, NotEmpty, NotFound
+from .errors import CpfsError, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
 from .manifest import Manifest
 from .namespace import Namespace, Node
 from .readahead import FileReader, Scheduler
@@ -175,7 +175,10 @@ class CpfsOperations(pyfuse3.Operations):
             try:
                 node = self.ns.resolve(path)
             except NotFound:
-                self.ns.add(m)
+                try:
+                    self.ns.add(m)
+                except ManifestError as e:        # a file where this mount has a folder, or so
+                    log.warning("not showing %s: %s", path, e)
                 continue
             if node.is_dir or node.ino in self.writing:
                 continue
