@@ -180,17 +180,24 @@ class FileReader:
 
     async def _prefetch(self, i: int) -> None:
         """Fetch chunk i into the cache, pinned; the caller reserved room for it, which `get` takes over."""
+        size = self.m.chunks[i].raw_len
         try:
             await self.sched.limiter.acquire()
         except BaseException:
-            self.sched.cache.release(self.m.chunks[i].raw_len)
+            self.sched.cache.release(size)
             raise
+        if self._in_kernel(i):        # another open of the file fetched it while this one waited
+            self.sched.limiter.release()
+            self.sched.cache.release(size)
+            self.inflight.discard(i)
+            self.ahead -= size
+            return
         try:
             data = await self.sched.get_chunk(self.m, i, pin=True, demand=False, reserved=True)
         except Exception as e:                # logged by the store pool; a demand read will report it
             self.sched._failures += 1
             log.debug("prefetch of %s chunk %d failed: %s", self.m.path, i, e)
-            self.ahead -= self.m.chunks[i].raw_len
+            self.ahead -= size
             return
         finally:
             self.sched.limiter.release()

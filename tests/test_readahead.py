@@ -255,3 +255,28 @@ async def test_no_replica_gives_chunk_unavailable_naming_file_offset_chunk_and_s
             msg = str(e)
         await reader.aclose()
     assert "file /f" in msg and f"offset {2 * CHUNK}" in msg and "chunk 2" in msg and "stores s" in msg
+
+
+async def test_two_opens_of_one_file_fetch_each_chunk_once(autojump_clock):
+    """torch.load(mmap=True) opens a checkpoint twice: the second open's plan must not fetch again
+    what the first pushed to the kernel (and dropped from the cache)."""
+    store = FakeStore(latency=0.008)
+    m, data = make_file(store, 32)
+    kernel = bytearray(len(data))
+
+    async def push(inode: int, offset: int, piece) -> None:
+        await trio.sleep(0.001)
+        kernel[offset:offset + len(piece)] = piece
+
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=8 * CHUNK, concurrency=2), on_chunk=push)
+    index = tensor_index(m)
+    async with trio.open_nursery() as n:
+        first = await sched.open(n, m, index, inode=5)
+        await trio.sleep(0.004)
+        second = await sched.open(n, m, index, inode=5)
+        await trio.sleep(1)
+        await first.aclose()
+        await second.aclose()
+    assert bytes(kernel) == data
+    assert len(store.log) == 32, "every chunk fetched exactly once"
+    assert sched.cache.statistics().used == 0
