@@ -35,6 +35,12 @@ class StoreFull(StoreError):
     errno = errno.ENOSPC
 
 
+class StoreDenied(StoreError):
+    """The store refuses us (permissions, a read-only or immutable folder)."""
+
+    errno = errno.EACCES
+
+
 class StoreUnavailable(StoreError):
     """The store cannot be reached (missing directory, refused connection, timeout)."""
 

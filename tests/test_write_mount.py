@@ -610,3 +610,48 @@ def test_daemon_memory_while_saving_512_mib_stays_near_the_cache_budget(make_con
     want = expected_of_save(size, seed=5)
     for k in ("t0", f"t{len(want) - 1}"):
         assert torch.equal(got[k], want[k]), k
+
+
+def test_store_permission_errors_give_eacces_at_close_and_lose_nothing(make_config, tmp_path, mount):
+    """Two of three stores refuse writes (immutable folders: even root cannot write): close() says
+    EACCES, the previous version stays, no manifest points at a missing chunk."""
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr")
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    v1 = state_dict(1)
+    torch.save(v1, m.path / "ckpt.pt")
+    stores = stores_of(cfg)
+    locked = [stores / "s0", stores / "s1"]
+    if subprocess.run(["chattr", "-R", "+i", *map(str, locked)], capture_output=True).returncode != 0:
+        subprocess.run(["chattr", "-R", "-i", *map(str, locked)], capture_output=True)
+        pytest.skip("this filesystem has no immutable attribute")
+    torch.save(state_dict(2), tmp_path / "v2.pt")
+    try:
+        f = open(m.path / "ckpt.pt", "wb")     # torch.save's C++ writer hides the errno: plain writes
+        f.write((tmp_path / "v2.pt").read_bytes())
+        with pytest.raises(OSError) as e:
+            f.close()
+        assert e.value.errno == errno.EACCES
+    finally:
+        subprocess.run(["chattr", "-R", "-i", *map(str, locked)], check=True)
+    assert_same(torch.load(m.path / "ckpt.pt", weights_only=True), v1)
+    assert dangling_chunks(cfg) == []
+    log = m.log.read_text()
+    assert "flush failed" in log and ("'s0'" in log or "'s1'" in log)
+
+
+def test_chmod_utime_truncate_reach_other_mounts(make_config, tmp_path, mount):
+    cfg = config(make_config, tmp_path)
+    a = mount(cfg, "a")
+    (a.path / "f.bin").write_bytes(b"x" * 100_000)
+    os.chmod(a.path / "f.bin", 0o600)
+    os.utime(a.path / "f.bin", ns=(1_600_000_000_000_000_000, 1_600_000_000_000_000_000))
+    os.truncate(a.path / "f.bin", 1234)
+    for m in (a, mount(cfg, "b")):
+        st = (m.path / "f.bin").stat()
+        assert (st.st_mode & 0o777, st.st_size) == (0o600, 1234)
+        assert (m.path / "f.bin").read_bytes() == b"x" * 1234
+    st = (mount(cfg, "c").path / "f.bin").stat()
+    # truncate after utime commits a new version: its mtime is the truncate's, not older than utime's
+    assert st.st_mtime_ns >= 1_600_000_000_000_000_000

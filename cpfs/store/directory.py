@@ -13,7 +13,7 @@ from pathlib import Path
 
 import trio
 
-from ..errors import NoSuchObject, StoreError, StoreFull, StoreUnavailable
+from ..errors import NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
 from .base import Store
 
 TMP_SUFFIX = ".cpfs-tmp"
@@ -43,6 +43,8 @@ class DirectoryStore(Store):
             return NoSuchObject(self.name, f"no object {key!r}")
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             return StoreFull(self.name, f"no space left writing {key!r} under {self.root}")
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return StoreDenied(self.name, f"{key!r} under {self.root}: {e.strerror}")
         return StoreError(self.name, f"{key!r}: {e.strerror or e}")
 
     async def _run(self, fn, *args):
