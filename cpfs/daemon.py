@@ -101,7 +101,11 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     staging = await trio.to_thread.run_sync(prepare_staging, staging_dir(config))
     ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"}
-    pyfuse3.init(ops, str(mountpoint), options)
+    try:
+        pyfuse3.init(ops, str(mountpoint), options)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         async with trio.open_nursery() as n:
             ops.nursery = n
