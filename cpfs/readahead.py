@@ -98,13 +98,13 @@ class Scheduler:
     async def get_chunk(self, manifest: Manifest, i: int, *, pin: bool = False, demand: bool = True,
                         reserved: bool = False) -> bytes:
         entry = manifest.chunks[i]
-        where = f"file {manifest.path} offset {manifest.offsets[i]} chunk {i} ({entry.digest[:16]})"
 
-        async def load() -> bytes:
+        async def load() -> bytes:        # only on a miss: hits cost a dict lookup, no formatting
             if demand:
                 self._demand += 1
             self._inflight += 1
             self._peak = max(self._peak, self._inflight)
+            where = f"file {manifest.path} offset {manifest.offsets[i]} chunk {i} ({entry.digest[:16]})"
             try:
                 return await self.fetch(entry, where)
             finally:
@@ -285,11 +285,12 @@ class FileReader:
         self._observe(offset, end, chunks)
         self.sched._reads += 1
         self.sched._read_bytes += end - offset
-        base = self.m.offsets[chunks[0]]
-        if len(chunks) == 1:
-            return memoryview(datas[0])[offset - base:end - base]
-        out = b"".join(datas)
-        return memoryview(out)[offset - base:end - base]
+        pieces = []
+        for data, i in zip(datas, chunks):
+            start, stop = self.m.offsets[i], self.m.offsets[i + 1]
+            pieces.append(memoryview(data)[max(offset, start) - start:min(end, stop) - start])
+        # One chunk: a view, no copy; several: only the requested bytes are copied.
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     async def aclose(self) -> None:
         """Stop this file's prefetch and release its pins."""
