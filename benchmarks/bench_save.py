@@ -21,12 +21,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import (GiB, MiB, ROOT, BenchError, Mount, drop_caches, human, mounted, parse_size,
+from .common import (GiB, MiB, ROOT, BenchError, Mount, RssSampler, drop_caches, human, mounted, parse_size,
                      print_daemon_report, print_table, remove_tree)
 
 FILE = "ckpt.pt"         # the same name in both places: torch.save names the archive's folder after it
@@ -76,46 +75,6 @@ def _child(path: Path, size: int, seed: int, fsync: bool) -> int:
     return 0
 
 
-class RssSampler:
-    """Peak RSS of a process, sampled every SAMPLE_EVERY seconds in a thread; also its CPU time."""
-
-    def __init__(self, pid: int) -> None:
-        import psutil
-
-        self._proc = psutil.Process(pid)
-        self._error = psutil.Error
-        self.before = self.peak = self._proc.memory_info().rss
-        self.samples = 0
-        self.cpu_seconds = 0.0
-        self._cpu0 = self._cpu()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_EVERY):
-            try:
-                self.peak = max(self.peak, self._proc.memory_info().rss)
-                self.samples += 1
-            except self._error:
-                return
-
-    def _cpu(self) -> float:
-        t = self._proc.cpu_times()
-        return t.user + t.system
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        try:
-            self.cpu_seconds = self._cpu() - self._cpu0
-        except self._error:
-            pass
-
-
 @dataclass
 class Save:
     seconds: float
@@ -137,7 +96,7 @@ def timed_save(path: Path, size: int, *, seed: int, fsync: bool = False, daemon_
         if not line:
             raise BenchError(f"the saving python failed before saving: {proc.communicate()[1].strip()[-2000:]}")
         print(f"  generated the state dict in {json.loads(line)['generated']:.1f} s (not timed)")
-        rss = RssSampler(daemon_pid) if daemon_pid is not None else None
+        rss = RssSampler(daemon_pid, SAMPLE_EVERY) if daemon_pid is not None else None
         if rss is not None:
             rss.__enter__()
         try:

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -413,3 +414,45 @@ def _child_main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(_child_main())
+
+
+class RssSampler:
+    """Peak RSS of a process, sampled every `interval` seconds in a thread;
+    also its CPU time. Used by bench_save and by the tests' memory checks."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        import psutil
+
+        self._proc = psutil.Process(pid)
+        self._error = psutil.Error
+        self.before = self.peak = self._proc.memory_info().rss
+        self.samples = 0
+        self.cpu_seconds = 0.0
+        self._cpu0 = self._cpu()
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.peak = max(self.peak, self._proc.memory_info().rss)
+                self.samples += 1
+            except self._error:
+                return
+
+    def _cpu(self) -> float:
+        t = self._proc.cpu_times()
+        return t.user + t.system
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.cpu_seconds = self._cpu() - self._cpu0
+        except self._error:
+            pass

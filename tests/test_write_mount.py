@@ -25,6 +25,7 @@ import psutil
 import pytest
 import torch
 
+from benchmarks.common import RssSampler
 from tests.conftest import cpfs
 
 pytestmark = pytest.mark.mount
@@ -100,34 +101,6 @@ def dangling_chunks(cfg: Path) -> list[str]:
 
 def inspect(cfg: Path, path: str) -> dict:
     return json.loads(cpfs("inspect", "--json", path, config=cfg).stdout)
-
-
-class RssSampler:
-    """The peak resident memory of a process, sampled every `interval` seconds in a thread."""
-
-    def __init__(self, pid: int, interval: float = 0.05) -> None:
-        self.proc = psutil.Process(pid)
-        self.before = self.peak = self.proc.memory_info().rss
-        self.samples = 0
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.peak = max(self.peak, self.proc.memory_info().rss)
-                self.samples += 1
-            except psutil.Error:
-                return
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 SAVE = """
