@@ -70,7 +70,9 @@ class Catalog:
         async def one(name: str) -> None:
             try:
                 data = await self.pool.get(name, key)
-                found.append(Manifest.from_bytes(data, where=f"store {name!r} {key}"))
+                # A manifest of a 100 GB file is megabytes of JSON: parse it off the event loop.
+                found.append(await trio.to_thread.run_sync(Manifest.from_bytes, data, f"store {name!r} {key}",
+                                                           limiter=self.pool.cpu))
             except NoSuchObject:
                 pass
             except (StoreError, ManifestError) as e:

@@ -5,6 +5,7 @@ User errors print one line without a traceback: exit 2 for bad configuration, 1 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -220,9 +221,15 @@ def _leaves(e: BaseException) -> list[BaseException]:
 def _report(args: argparse.Namespace, e: CpfsError) -> int:
     """One line on stderr (and to the mount launcher); exit 2 for bad configuration, else 1."""
     bad_config = isinstance(e, ConfigError)
-    print(f"cpfs: {'config error' if bad_config else 'error'}: {e}", file=sys.stderr)
-    if args.command == "mount" and getattr(args, "ready_fd", None) is not None:
-        os.write(args.ready_fd, f"ERROR {'config error: ' if bad_config else ''}{e}\n".encode())
+    line = f"{'config error' if bad_config else 'error'}: {e}"
+    ready_fd = getattr(args, "ready_fd", None) if args.command == "mount" else None
+    if args.command == "mount" and (ready_fd is not None or args.log_file):
+        logging.getLogger("cpfs.daemon").error("%s", e)    # the daemon's log says why it stopped
+    if ready_fd is not None:
+        with contextlib.suppress(OSError):                 # the launcher prints it; it may be gone
+            os.write(ready_fd, f"ERROR {'config error: ' if bad_config else ''}{e}\n".encode())
+    else:
+        print(f"cpfs: {line}", file=sys.stderr)
     return 2 if bad_config else 1
 
 

@@ -23,7 +23,7 @@ import trio
 from .cache import ChunkCache
 from .catalog import Catalog
 from .config import Config, staging_dir
-from .errors import ConfigError, CpfsError
+from .errors import CpfsError
 from .fs import CpfsOperations
 from .namespace import Namespace
 from .pool import StorePool
@@ -178,18 +178,8 @@ def setup_logging(level: str, log_file: str | None) -> None:
 
 
 def run_foreground(config: Config, mountpoint: Path, ready_fd: int | None) -> int:
-    try:
-        trio.run(serve, config, mountpoint, ready_fd)
-    except CpfsError as e:
-        log.error("%s", e)
-        if ready_fd is not None:
-            try:
-                os.write(ready_fd, f"ERROR {e}\n".encode())
-            except OSError:
-                pass
-        else:
-            print(f"cpfs: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
+    """Serve until unmounted; errors go up to the CLI, which reports them (and to the launcher)."""
+    trio.run(serve, config, mountpoint, ready_fd)
     return 0
 
 

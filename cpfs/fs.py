@@ -349,15 +349,13 @@ class CpfsOperations(pyfuse3.Operations):
 
     @boundary
     async def flush(self, fh: int) -> None:
+        """Every close() of a writable handle commits: close returns once the version is durable."""
         h = self.handles[fh]
         if h.writable:
             await self._commit(h.node)
 
-    @boundary
     async def fsync(self, fh: int, datasync: bool) -> None:
-        h = self.handles[fh]
-        if h.writable:
-            await self._commit(h.node)
+        await self.flush(fh)
 
     @boundary
     async def release(self, fh: int) -> None:
@@ -478,7 +476,6 @@ class CpfsOperations(pyfuse3.Operations):
                 if w is not None:
                     w.unlinked = True        # open handles keep working; nothing is committed
                 self.ns.remove(t)
-            old_paths = {n.ino: n.path for n in self.ns.files_below(node)}
             self.ns.move(node, new_parent, new_name)
             for f in self.ns.files_below(node):
                 if f.manifest is not None:
@@ -486,7 +483,6 @@ class CpfsOperations(pyfuse3.Operations):
                 w = self.writing.get(f.ino)
                 if w is not None:
                     w.session.path = f.path
-                log.debug("renamed %s -> %s", old_paths[f.ino], f.path)
 
     async def _unsupported(self, *args: Any) -> Any:
         raise pyfuse3.FUSEError(errno.ENOTSUP)

@@ -94,33 +94,30 @@ class Namespace:
 
     def remove(self, node: Node) -> None:
         """Drop a node (a folder with everything below it)."""
-        for child in list(node.children.values()):
-            self.remove(self.nodes[child])
         self.parent(node).children.pop(node.name, None)
-        del self.by_path[node.path]
-        del self.nodes[node.ino]
+        for n in self.walk(node):
+            del self.by_path[n.path]
+            del self.nodes[n.ino]
+
+    def walk(self, node: Node) -> list[Node]:
+        """The node and everything below it."""
+        out = [node]
+        for c in node.children.values():
+            out.extend(self.walk(self.nodes[c]))
+        return out
 
     def files_below(self, node: Node) -> list[Node]:
-        if not node.is_dir:
-            return [node]
-        return [f for c in node.children.values() for f in self.files_below(self.nodes[c])]
+        return [n for n in self.walk(node) if not n.is_dir]
 
     def move(self, node: Node, parent: Node, name: str) -> None:
         """Re-home a node (and rename everything below it); the target name must be free."""
         self.parent(node).children.pop(node.name, None)
         old = node.path
         parent.children[name] = node.ino
-        for n in [node] + [self.nodes[i] for i in self._descendants(node)]:
+        for n in self.walk(node):
             del self.by_path[n.path]
             n.path = posixpath.join(parent.path, name) + n.path[len(old):]
             self.by_path[n.path] = n.ino
-
-    def _descendants(self, node: Node) -> list[int]:
-        out = []
-        for c in node.children.values():
-            out.append(c)
-            out.extend(self._descendants(self.nodes[c]))
-        return out
 
     def node(self, ino: int) -> Node:
         try:

@@ -29,7 +29,6 @@ from .tensor_index import TensorIndex
 log = logging.getLogger(__name__)
 
 Fetch = Callable[[ChunkEntry, str], Awaitable[bytes]]
-OnChunk = Push
 SEQ_SLACK = 4 * 1024**2    # reads this far behind or ahead of the last one still count as sequential
 
 
@@ -62,7 +61,7 @@ def plan_for(manifest: Manifest, index: TensorIndex | None) -> list[int] | None:
 class Scheduler:
     """Shared by every open file of a mount: the fetch limiter, the counters, the task owner."""
 
-    def __init__(self, cache: ChunkCache, fetch: Fetch, config: Config, on_chunk: OnChunk | None = None) -> None:
+    def __init__(self, cache: ChunkCache, fetch: Fetch, config: Config, on_chunk: Push | None = None) -> None:
         self.cache = cache
         self.fetch = fetch
         self.config = config
@@ -159,14 +158,13 @@ class FileReader:
 
     def _fill(self) -> None:
         """Start prefetches along the plan while the window and the cache budget have room."""
-        cache = self.sched.cache
         while self.cursor < len(self.plan) and self.window > 0:
             i = self.plan[self.cursor]
-            entry = self.m.chunks[i]
-            if i in self.pinned or i in self.inflight or self._in_kernel(i) or entry.digest in cache:
+            size = self.m.chunks[i].raw_len
+            if self._have(i):
                 self.cursor += 1
                 continue
-            if self.ahead + entry.raw_len > self.window or not cache.reserve(entry.raw_len):
+            if self.ahead + size > self.window or not self.sched.cache.reserve(size):
                 break
             self._start_prefetch(i)
             self.cursor += 1
@@ -186,13 +184,11 @@ class FileReader:
         except BaseException:
             self.sched.cache.release(size)
             raise
-        if self._in_kernel(i):        # another open of the file fetched it while this one waited
-            self.sched.limiter.release()
-            self.sched.cache.release(size)
-            self.inflight.discard(i)
-            self.ahead -= size
-            return
         try:
+            if self._in_kernel(i):    # another open of the file fetched it while this one waited
+                self.sched.cache.release(size)
+                self.ahead -= size
+                return
             data = await self.sched.get_chunk(self.m, i, pin=True, demand=False, reserved=True)
         except Exception as e:                # logged by the store pool; a demand read will report it
             self.sched._failures += 1
@@ -211,6 +207,11 @@ class FileReader:
 
     def _in_kernel(self, i: int) -> bool:
         return self.feeder is not None and i in self.feeder.sent
+
+    def _have(self, i: int) -> bool:
+        """Chunk i needs no prefetch: fetched or being fetched here, with the kernel, or cached."""
+        return (i in self.pinned or i in self.inflight or self._in_kernel(i)
+                or self.m.chunks[i].digest in self.sched.cache)
 
     def _consume(self, i: int) -> None:
         if i in self.pinned:
@@ -250,13 +251,11 @@ class FileReader:
         """Prefetch the rest of every tensor this read touches: the reader will want all of it."""
         if self.index is None:
             return
-        cache = self.sched.cache
         for t in self.index.tensors_overlapping(offset, size):
             for i in self.m.chunk_range(t.offset, t.length):
-                e = self.m.chunks[i]
-                if i in chunks or i in self.pinned or i in self.inflight or self._in_kernel(i) or e.digest in cache:
+                if i in chunks or self._have(i):
                     continue
-                if not cache.reserve(e.raw_len):
+                if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
                     return
                 self._start_prefetch(i)
 
