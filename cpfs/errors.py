@@ -17,12 +17,19 @@ class ConfigError(CpfsError):
 
 
 class StoreError(CpfsError):
-    """A backing store failed an operation; `store` names it."""
+    """A backing store failed an operation; `store` names it.
 
-    def __init__(self, store: str, message: str) -> None:
+    `transient` says whether the same request may succeed if tried again (throttling, 5xx, a reset
+    connection, a timeout). The store kind decides, at the raise site; only the pool retries."""
+
+    transient: bool = False
+
+    def __init__(self, store: str, message: str, *, transient: bool | None = None) -> None:
         super().__init__(f"store {store!r}: {message}")
         self.store = store
         self.detail = message
+        if transient is not None:
+            self.transient = transient
 
 
 class NoSuchObject(StoreError):
@@ -43,6 +50,8 @@ class StoreDenied(StoreError):
 
 class StoreUnavailable(StoreError):
     """The store cannot be reached (missing directory, refused connection, timeout)."""
+
+    transient = True
 
 
 class CorruptChunk(CpfsError):
@@ -79,3 +88,17 @@ class NotADirectory(CpfsError):
 
 class IsADirectory(CpfsError):
     errno = errno.EISDIR
+
+
+class IncompleteFile(CpfsError):
+    """A checkpoint (torch zip, safetensors) whose bytes stop before its end: kept only as a failed
+    version, never made current (see cpfs/completeness.py)."""
+
+
+class WriteFailed(CpfsError):
+    """An earlier write or truncate of an open file failed (disk full, I/O error): its content is not
+    what the writer meant, so it never commits. Carries that failure's errno."""
+
+    def __init__(self, message: str, err: int = errno.EIO) -> None:
+        super().__init__(message)
+        self.errno = err

@@ -1,16 +1,33 @@
-"""The set of backing stores as one replicated chunk store.
+"""The set of backing stores as one replicated store: the only door to the stores.
 
-Reads pick, for every chunk, the replica on the least busy store (fewest requests in flight, then the
-lowest recent latency), so that concurrent fetches spread over every store; a failed, slow or corrupt
-replica falls through to the next one. Writes go to the stores placement chose, skipping those that
-already hold the chunk (content addressing makes that a complete dedup check).
+The pool holds replica policy, nothing about any one kind of store:
+- every request is bounded by its store's `timeout` and retried here, and only here, while it fails
+  transiently (StoreError.transient), with jittered exponential backoff inside that same budget; a
+  timeout is not retried on the same store: the caller fails over to the next replica at once;
+- health: a store that times out, or fails `DOWN_AFTER` requests in a row, is marked down: it is ranked
+  after every store that is up (reads try it last), writes and single-store requests to it fail at
+  once, and `run()` probes it (`check()`) in the background until it answers;
+- reads go through one replica iterator (`_read_replicas`): ranked replicas in turn, and *hedged*: a
+  read slower than its store's recent p95 (bounded by `hedge_min`/`hedge_max`) also asks the next
+  replica, the first answer wins and the other is cancelled; at most `hedges` hedges are in flight.
+  A read cancelled that way counts its elapsed time as a latency sample, so a hung or straggling
+  store sinks in the ranking instead of costing a hedge delay on every read;
+- writes go through one fan-out with quorum (`_put_quorum`);
+- dedup never trusts a replica blindly: `store_chunk` reuses a copy only after checking it against the
+  encoded chunk in hand, and rewrites copies that a read found corrupt (`_suspects`).
+
+Ranking: least expected wait first, (requests in flight + 1) x recent latency (floored, so local
+stores of similar speed spread by requests in flight), so concurrent fetches use every store.
 """
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
+import math
+import random
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
@@ -18,168 +35,458 @@ from . import chunk as chunkfmt
 from .config import Config
 from .errors import ChunkUnavailable, ConfigError, CorruptChunk, NoSuchObject, StoreError, StoreUnavailable
 from .manifest import ChunkEntry
-from .store import Store, open_store
+from .store import MeteredStore, Store, StoreStats, open_store
+from .sync import FanOut, fan_out, quorum
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ATTEMPTS = 4                 # tries of one request that keeps failing transiently
+BACKOFF_FIRST = 0.05         # seconds; the n-th retry waits up to BACKOFF_FIRST * 2**(n-1) (full jitter)
+BACKOFF_MAX = 2.0
+DOWN_AFTER = 3               # requests in a row failing transiently mark a store down
+PROBE_INTERVAL = 1.0         # seconds between probes of a store that is down
+RANK_FLOOR = 0.001           # latencies below this rank alike (a local disk is a local disk)
+VERIFY_FULL_MAX = 256 * 1024  # dedup compares whole replicas up to this size, size + header above
+SUSPECTS_MAX = 100_000       # (store, digest) pairs remembered as read corrupt
+LATENCY_SAMPLES = 64         # recent read latencies kept per store (for the p95 that hedging uses)
 
 
 @dataclass(frozen=True)
-class StoreLoad:
+class ReplicaStats:
+    reads: int                # replica reads started (first tries, fallbacks and hedges)
+    fallbacks: int            # reads moved to the next replica because one failed
+    hedges: int               # reads that also asked the next replica because the first was slow
+    hedges_won: int           # ... where the hedge answered first
+    hedges_in_flight: int
+    hedges_skipped: int       # slow reads not hedged because `hedges` were in flight
+
+
+@dataclass(frozen=True)
+class StoreHealth:
     name: str
-    outstanding: int
-    peak_outstanding: int
-    requests: int
-    errors: int
-    bytes_read: int
-    bytes_written: int
-    latency_ewma: float
+    up: bool
+    reason: str               # why it was last marked down ("" if never)
+    failures_in_a_row: int    # transient failures since the last answer
+    retries: int              # requests tried again after a transient failure
+    timeouts: int             # requests that got no answer in time
+    marked_down: int          # times marked down
+    probes: int               # background checks while down
+    repairs: int              # chunk copies rewritten because they were corrupt
 
 
-class _Load:
+class _Health:
     def __init__(self) -> None:
-        self.outstanding = self.peak = self.requests = self.errors = 0
-        self.bytes_read = self.bytes_written = 0
-        self.ewma = 0.0
+        self.up = True
+        self.reason = ""
+        self.in_a_row = self.retries = self.timeouts = self.marked_down = self.probes = self.repairs = 0
 
-    def snapshot(self, name: str) -> StoreLoad:
-        return StoreLoad(name, self.outstanding, self.peak, self.requests, self.errors,
-                         self.bytes_read, self.bytes_written, self.ewma)
+    def snapshot(self, name: str) -> StoreHealth:
+        return StoreHealth(name=name, up=self.up, reason=self.reason, failures_in_a_row=self.in_a_row,
+                           retries=self.retries, timeouts=self.timeouts, marked_down=self.marked_down,
+                           probes=self.probes, repairs=self.repairs)
 
 
 class StorePool:
-    def __init__(self, config: Config, stores: Sequence[Store] | None = None) -> None:
+    def __init__(self, config: Config, stores: Sequence[Store] | None = None, *,
+                 probe_interval: float = PROBE_INTERVAL, seed: int | None = None) -> None:
+        """The stores `config` describes, or `stores` (tests inject wrapped stores; each gets a
+        MeteredStore around it unless it is one)."""
         self.config = config
         built = stores if stores is not None else [open_store(s) for s in config.stores]
-        self.stores: dict[str, Store] = {s.name: s for s in built}
-        self.names = list(self.stores)
+        self._stores: dict[str, MeteredStore] = {
+            s.name: s if isinstance(s, MeteredStore) else MeteredStore(s) for s in built}
+        self.names = list(self._stores)
         self.cpu = trio.CapacityLimiter(config.cpu_threads)
-        self._load = {name: _Load() for name in self.names}
+        configured = {s.name: s.timeout for s in config.stores}
+        self._timeouts = {n: configured.get(n, config.request_timeout) for n in self.names}
+        self._health = {n: _Health() for n in self.names}
+        self._suspects: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._probe_interval = probe_interval
+        self._rng = random.Random(seed)
+        self._went_down = trio.Event()
+        self._latency = {n: deque(maxlen=LATENCY_SAMPLES) for n in self.names}
+        self._reads = self._fallbacks = self._hedges = self._hedges_won = 0
+        self._hedging = self._hedges_skipped = 0
 
-    def statistics(self) -> list[StoreLoad]:
-        return [self._load[n].snapshot(n) for n in self.names]
+    # ------------------------------------------------------------------ state
+
+    def statistics(self) -> list[StoreStats]:
+        """Per store, in configuration order: requests, errors, bytes, latency (cpfs.store.metered)."""
+        return [self._stores[n].statistics() for n in self.names]
+
+    def replica_statistics(self) -> ReplicaStats:
+        return ReplicaStats(reads=self._reads, fallbacks=self._fallbacks, hedges=self._hedges,
+                            hedges_won=self._hedges_won, hedges_in_flight=self._hedging,
+                            hedges_skipped=self._hedges_skipped)
+
+    def health(self) -> list[StoreHealth]:
+        return [self._health[n].snapshot(n) for n in self.names]
+
+    def is_up(self, name: str) -> bool:
+        return self._health[name].up
+
+    def rank(self, names: Sequence[str]) -> list[str]:
+        """Replicas, best first: stores that are up before those that are down, then least expected wait."""
+        def score(n: str) -> tuple[bool, float, float]:
+            m = self._stores[n]
+            latency = max(m.latency_ewma, self._read_latency(n), RANK_FLOOR)
+            return (not self._health[n].up, (m.outstanding + 1) * latency, latency)
+        return sorted((n for n in names if n in self._stores), key=score)
+
+    def _mark_down(self, name: str, reason: str) -> None:
+        h = self._health[name]
+        h.reason = reason
+        if h.up:
+            h.up = False
+            h.marked_down += 1
+            log.warning("store %r marked down: %s; probing it every %gs", name, reason, self._probe_interval)
+            self._went_down.set()
+
+    def _answered(self, name: str) -> None:
+        h = self._health[name]
+        h.in_a_row = 0
+        if not h.up:
+            h.up = True
+            log.warning("store %r is back up", name)
+
+    def _failed(self, name: str, e: StoreError) -> None:
+        h = self._health[name]
+        h.in_a_row += 1
+        if h.in_a_row >= DOWN_AFTER:
+            self._mark_down(name, f"{h.in_a_row} requests in a row failed, the last: {e.detail}")
+
+    # ------------------------------------------------------------------ lifecycle
 
     async def check(self) -> None:
         """Every store usable, or a ConfigError naming the config file and the first store that is not:
-        an unusable store is a bad configuration, found before anything is read or written."""
-        errors: list[StoreError] = []
+        an unusable store is a bad configuration, found before anything is read or written. A store
+        that fails transiently (unreachable, timing out) is marked down instead, unless every store does."""
+        out = await self._fan_out(self.names, lambda n: self._call(n, "check", lambda s: s.check(), allow_down=True))
+        errors = sorted(out.errors, key=lambda ne: self.names.index(ne[0]))
+        permanent = [e for _, e in errors if not e.transient]
+        if permanent or (errors and len(errors) == len(self.names)):
+            e = (permanent or [e for _, e in errors])[0]
+            raise ConfigError(f"{self.config.source}: store {e.store!r}.url: {e.detail}")
+        for name, e in errors:
+            self._mark_down(name, e.detail)
 
-        async def one(store: Store) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Background health: probe every store that is down until it answers. Runs until cancelled;
+        start it in the nursery that outlives the pool's users (`await nursery.start(pool.run)`)."""
+        task_status.started()
+        while True:
+            down = [n for n in self.names if not self._health[n].up]
+            if not down:
+                self._went_down = trio.Event()
+                await self._went_down.wait()
+                continue
+            await trio.sleep(self._probe_interval)
+            async with trio.open_nursery() as n:
+                for name in down:
+                    n.start_soon(self._probe, name)
+
+    async def _probe(self, name: str) -> None:
+        h = self._health[name]
+        h.probes += 1
+        with trio.move_on_after(self._timeouts[name]):
             try:
-                with trio.fail_after(self.config.request_timeout):
-                    await store.check()
+                await self._stores[name].check()
             except StoreError as e:
-                errors.append(e)
-            except trio.TooSlowError:
-                errors.append(StoreUnavailable(store.name, "did not answer in time"))
-
-        async with trio.open_nursery() as n:
-            for s in self.stores.values():
-                n.start_soon(one, s)
-        if errors:
-            e = errors[0]
-            detail = e.detail if isinstance(e, StoreUnavailable) else str(e)
-            raise ConfigError(f"{self.config.source}: store {e.store!r}.url: {detail}")
+                log.debug("store %r still down: %s", name, e)
+                return
+            self._answered(name)
 
     async def aclose(self) -> None:
-        for s in self.stores.values():
+        for s in self._stores.values():
             await s.aclose()
 
-    def rank(self, names: Sequence[str]) -> list[str]:
-        """Replicas ordered least busy first."""
-        known = [n for n in names if n in self._load]
-        return sorted(known, key=lambda n: (self._load[n].outstanding, self._load[n].ewma))
+    # ------------------------------------------------------------------ one request
 
-    async def _call(self, name: str, op: str, key: str, data: bytes | None = None):
-        """One store request, timed and bounded by the request timeout."""
-        load = self._load[name]
-        load.outstanding += 1
-        load.peak = max(load.peak, load.outstanding)
-        load.requests += 1
-        t0 = time.monotonic()
-        try:
-            with trio.fail_after(self.config.request_timeout):
-                store = self.stores[name]
-                if op == "get":
-                    result = await store.get(key)
-                    load.bytes_read += len(result)
-                elif op == "put":
-                    assert data is not None
-                    result = await store.put(key, data)
-                    load.bytes_written += len(data)
-                elif op == "exists":
-                    result = await store.exists(key)
-                else:
-                    result = await store.delete(key)
-        except trio.TooSlowError:
-            load.errors += 1
-            raise StoreUnavailable(name, f"{op} {key!r} took longer than {self.config.request_timeout}s")
-        except StoreError:
-            load.errors += 1
-            raise
-        finally:
-            load.outstanding -= 1
-        load.ewma = 0.8 * load.ewma + 0.2 * (time.monotonic() - t0)
-        return result
+    async def _call(self, name: str, what: str, op: Callable[[Store], Awaitable[T]], *,
+                    allow_down: bool = False) -> T:
+        """op(store), bounded by the store's timeout, retried while it fails transiently.
+        A store marked down fails at once unless `allow_down` (a last-resort read)."""
+        h = self._health[name]
+        if not h.up and not allow_down:
+            raise StoreUnavailable(name, f"{what}: store is down ({h.reason})")
+        store = self._stores[name]
+        timeout = self._timeouts[name]
+        deadline = trio.current_time() + timeout
+        attempt = 0
+        with trio.move_on_at(deadline):
+            while True:
+                try:
+                    result = await op(store)
+                except StoreError as e:
+                    if not e.transient:
+                        self._answered(name)
+                        raise
+                    attempt += 1
+                    delay = self._rng.uniform(0, min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (attempt - 1)))
+                    if attempt >= ATTEMPTS or trio.current_time() + delay >= deadline:
+                        self._failed(name, e)
+                        raise
+                    h.retries += 1
+                    log.debug("store %r: %s failed (%s), try %d in %.3fs", name, what, e.detail, attempt + 1, delay)
+                    await trio.sleep(delay)
+                    continue
+                self._answered(name)
+                return result
+        h.timeouts += 1
+        self._mark_down(name, f"{what} got no answer within {timeout:g}s")
+        raise StoreUnavailable(name, f"{what} got no answer within {timeout:g}s")
 
     async def get(self, name: str, key: str) -> bytes:
-        return await self._call(name, "get", key)
+        return await self._call(name, f"get {key!r}", lambda s: s.get(key))
 
-    async def put(self, name: str, key: str, data: bytes) -> None:
-        await self._call(name, "put", key, data)
+    async def get_range(self, name: str, key: str, start: int, length: int) -> bytes:
+        return await self._call(name, f"get {key!r} [{start}+{length}]", lambda s: s.get_range(key, start, length))
+
+    async def head(self, name: str, key: str) -> int:
+        return await self._call(name, f"head {key!r}", lambda s: s.head(key))
+
+    async def put(self, name: str, key: str, data: bytes | memoryview) -> None:
+        await self._call(name, f"put {key!r}", lambda s: s.put(key, data))
 
     async def exists(self, name: str, key: str) -> bool:
-        return await self._call(name, "exists", key)
+        return await self._call(name, f"exists {key!r}", lambda s: s.exists(key))
 
     async def delete(self, name: str, key: str) -> None:
-        await self._call(name, "delete", key)
+        await self._call(name, f"delete {key!r}", lambda s: s.delete(key))
+
+    # ------------------------------------------------------------------ listing
+
+    async def list_page(self, name: str, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        return await self._call(name, f"list {prefix!r} after {start_after!r}",
+                                lambda s: s.list(prefix, start_after, limit))
+
+    async def iter_keys(self, name: str, prefix: str, page: int = 1000) -> AsyncIterator[list[str]]:
+        """The keys of store `name` under `prefix`, a sorted page at a time (each page one request,
+        with its own timeout and retries)."""
+        after = ""
+        while True:
+            keys = await self.list_page(name, prefix, after, page)
+            if keys:
+                yield keys
+            if len(keys) < page:
+                return
+            after = keys[-1]
+
+    async def list_keys(self, name: str, prefix: str) -> list[str]:
+        """Every key of store `name` starting with `prefix`, sorted."""
+        return [k async for keys in self.iter_keys(name, prefix) for k in keys]
+
+    # ------------------------------------------------------------------ replicas
+
+    async def _fan_out(self, names: Sequence[str], fn: Callable[[str], Awaitable[T]]) -> FanOut[str, T]:
+        return await fan_out(fn, names, catch=StoreError)
+
+    async def _put_quorum(self, names: Sequence[str], fn: Callable[[str], Awaitable[object]], need: int,
+                          what: str) -> list[str]:
+        """fn(name) on every store at once; the names that succeeded, in `names` order. Raises the
+        first StoreError if fewer than `need` did."""
+        def short() -> StoreError:
+            return StoreError(",".join(names), f"{what}: {len(names)} stores, {need} needed")
+
+        async def logged(name: str) -> object:
+            try:
+                return await fn(name)
+            except StoreError as e:
+                log.warning("%s: store %r failed: %s", what, name, e)
+                raise
+
+        out = await quorum(logged, names, need, catch=StoreError, short=short)
+        return out.succeeded(names)
+
+    def _read_latency(self, name: str) -> float:
+        """Median of the store's recent read latencies (hedge losses included), 0 if none yet."""
+        samples = self._latency[name]
+        return sorted(samples)[len(samples) // 2] if samples else 0.0
+
+    def _hedge_after(self, name: str) -> float:
+        """How long a read of `name` may take before the next replica is asked too: its recent p95
+        (of all stores, while it has few samples), within [hedge_min, hedge_max]."""
+        cfg = self.config
+        samples = sorted(self._latency[name])
+        if len(samples) < 8:        # a store not heard from yet: what the stores take in general
+            samples = sorted(t for d in self._latency.values() for t in d)
+        if len(samples) < 8:
+            return cfg.hedge_max
+        p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)]
+        return min(cfg.hedge_max, max(cfg.hedge_min, p95))
+
+    async def _read_replicas(self, names: Sequence[str], read: Callable[[str], Awaitable[T]],
+                             failed: Callable[[str, Exception], None]) -> T:
+        """read(name) on the replicas in rank order until one succeeds, hedged (see the module doc).
+        Stores that are down come last, as a last resort. Raises the last failure."""
+        ranked = iter(self.rank(names))
+        last: Exception = NoSuchObject(",".join(names) or "-", "no replica")
+        send, recv = trio.open_memory_channel[tuple[str, float, bool, object]](len(names) or 1)
+        running: dict[str, float] = {}          # replica -> when its read started
+        hedged: set[str] = set()
+
+        async def attempt(name: str) -> None:
+            t0 = trio.current_time()
+            try:
+                result: object = await read(name)
+                ok = True
+            except (StoreError, CorruptChunk) as e:
+                result, ok = e, False
+            send.send_nowait((name, trio.current_time() - t0, ok, result))
+
+        def start(name: str, hedge: bool = False) -> float:
+            """Start a read of `name`; returns when to consider hedging it."""
+            self._reads += 1
+            running[name] = trio.current_time()
+            if hedge:
+                hedged.add(name)
+                self._hedges += 1
+                self._hedging += 1
+            n.start_soon(attempt, name)
+            return running[name] + self._hedge_after(name)
+
+        more = True
+        try:
+            async with trio.open_nursery() as n:
+                first = next(ranked, None)
+                if first is None:
+                    raise last
+                hedge_at = start(first)
+                while running:
+                    wait = hedge_at - trio.current_time() if more and self.config.hedges > 0 else math.inf
+                    with trio.move_on_after(max(0.0, wait)):
+                        name, took, ok, result = await recv.receive()
+                        del running[name]
+                        if ok:
+                            self._latency[name].append(took)
+                            if name in hedged:
+                                self._hedges_won += 1
+                            for slow, since in running.items():   # losers: a lower bound of their latency
+                                self._latency[slow].append(trio.current_time() - since)
+                            n.cancel_scope.cancel()
+                            return result  # type: ignore[return-value]
+                        assert isinstance(result, Exception)
+                        failed(name, result)
+                        last = result
+                        nxt = next(ranked, None)
+                        if nxt is None:
+                            more = False
+                        else:
+                            self._fallbacks += 1
+                            hedge_at = start(nxt)
+                        continue
+                    # The newest read is slow: ask the next replica too, if the budget allows.
+                    if self._hedging >= self.config.hedges:
+                        self._hedges_skipped += 1
+                        hedge_at = trio.current_time() + self.config.hedge_max
+                        continue
+                    nxt = next(ranked, None)
+                    if nxt is None:
+                        more = False
+                    else:
+                        hedge_at = start(nxt, hedge=True)
+        finally:
+            self._hedging -= len(hedged)
+        raise last
+
+    async def put_quorum(self, names: Sequence[str], key: str, data: bytes, quorum: int) -> list[str]:
+        """Put `key` on every store of `names` at once; the names that hold it (in `names` order).
+        Raises the first StoreError if fewer than `quorum` succeeded."""
+        return await self._put_quorum(names, lambda n: self.put(n, key, data), quorum, f"put {key!r}")
+
+    async def get_any(self, names: Sequence[str], key: str) -> bytes:
+        """An object from the best store of `names` that has it."""
+        def failed(name: str, e: Exception) -> None:
+            log.debug("get %r from store %r failed: %s", key, name, e)
+
+        return await self._read_replicas(
+            names, lambda n: self._call(n, f"get {key!r}", lambda s: s.get(key), allow_down=True), failed)
+
+    # ------------------------------------------------------------------ chunks
+
+    def _suspect(self, name: str, digest: str) -> None:
+        self._suspects[(name, digest)] = None
+        self._suspects.move_to_end((name, digest))
+        while len(self._suspects) > SUSPECTS_MAX:
+            self._suspects.popitem(last=False)
 
     async def fetch_chunk(self, entry: ChunkEntry, where: str) -> bytes:
-        """Verified raw bytes of a chunk from the least busy healthy replica.
-        `where` ("file F offset O chunk N") goes into every log line about it."""
-        failures = []
-        for name in self.rank(entry.stores):
+        """Verified raw bytes of a chunk from the best replica that has them, exactly entry.raw_len
+        long. `where` ("file F offset O chunk N") goes into every log line about it."""
+        key = chunkfmt.chunk_key(entry.digest)
+        failures: list[str] = []
+
+        async def read(name: str) -> bytes:
+            blob = await self._call(name, f"get {key!r}", lambda s: s.get(key), allow_down=True)
             try:
-                blob = await self.get(name, chunkfmt.chunk_key(entry.digest))
-                return await trio.to_thread.run_sync(chunkfmt.decode, blob, entry.digest, limiter=self.cpu)
-            except (StoreError, CorruptChunk) as e:
-                kind = "corrupt replica" if isinstance(e, CorruptChunk) else "replica failed"
-                log.warning("%s: %s %s on store %r: %s", where, kind, entry.digest[:16], name, e)
-                failures.append(f"{name}: {e}")
+                raw = await trio.to_thread.run_sync(chunkfmt.decode, blob, entry.digest, limiter=self.cpu)
+            except CorruptChunk:
+                self._suspect(name, entry.digest)
+                raise
+            if len(raw) != entry.raw_len:
+                raise CorruptChunk(f"chunk {entry.digest[:16]}: {len(raw)} bytes, the manifest says {entry.raw_len}")
+            return raw
+
+        def failed(name: str, e: Exception) -> None:
+            kind = "corrupt replica" if isinstance(e, CorruptChunk) else "replica failed"
+            log.warning("%s: %s %s on store %r: %s", where, kind, entry.digest[:16], name, e)
+            failures.append(f"{name}: {e}")
+
+        try:
+            return await self._read_replicas(entry.stores, read, failed)
+        except (StoreError, CorruptChunk):
+            pass
         raise ChunkUnavailable(f"{where}: no replica of chunk {entry.digest[:16]} could be read "
                                f"(stores {', '.join(entry.stores)}): {'; '.join(failures) or 'no known store'}")
 
+    async def _copy_state(self, name: str, key: str, enc: chunkfmt.EncodedChunk) -> str:
+        """"good", "missing" or "bad": the copy of the chunk on store `name`, checked against the blob in
+        hand: same size and header (the whole blob when small). A copy that differs is decoded and kept
+        only if it verifies (the same chunk, encoded otherwise). A copy a read found corrupt is bad.
+        Caveat: a flipped byte inside a copy larger than VERIFY_FULL_MAX passes this check; the first
+        read of that copy finds it (every read verifies), and the next write of the chunk rewrites it."""
+        if (name, enc.digest) in self._suspects:
+            log.warning("chunk %s: rewriting the copy on store %r that a read found corrupt", enc.digest[:16], name)
+            return "bad"
+        blob = enc.blob
+        try:
+            size = await self.head(name, key)
+            data = None
+            if size == len(blob):
+                if len(blob) <= VERIFY_FULL_MAX:
+                    data = await self.get(name, key)
+                    if data == blob:
+                        return "good"
+                elif await self.get_range(name, key, 0, chunkfmt.HEADER_SIZE) == blob[:chunkfmt.HEADER_SIZE]:
+                    return "good"
+            if data is None:
+                data = await self.get(name, key)
+        except NoSuchObject:
+            return "missing"
+        try:
+            await trio.to_thread.run_sync(chunkfmt.decode, data, enc.digest, limiter=self.cpu)
+        except CorruptChunk as e:
+            log.warning("chunk %s: the copy on store %r is corrupt (%s): rewriting it", enc.digest[:16], name, e)
+            return "bad"
+        return "good"
+
     async def store_chunk(self, enc: chunkfmt.EncodedChunk, targets: Sequence[str], quorum: int) -> tuple[list[str], bool]:
-        """Put a chunk on `targets` (skipping stores that hold it already).
-        Returns (stores holding it, whether it was new anywhere); raises the first error below quorum."""
+        """Put a chunk on `targets`, reusing the good copies already there (and rewriting bad ones).
+        Returns (stores holding it, whether any store was written); raises the first error below quorum."""
         key = chunkfmt.chunk_key(enc.digest)
-        held: list[str] = []
-        errors: list[StoreError] = []
         wrote = False
 
         async def one(name: str) -> None:
             nonlocal wrote
-            try:
-                if not await self.exists(name, key):
-                    await self.put(name, key, enc.blob)
-                    wrote = True
-                held.append(name)
-            except StoreError as e:
-                log.warning("chunk %s: put to store %r failed: %s", enc.digest[:16], name, e)
-                errors.append(e)
+            state = await self._copy_state(name, key, enc)
+            if state == "good":
+                return
+            await self.put(name, key, enc.blob)
+            self._suspects.pop((name, enc.digest), None)
+            if state == "bad":
+                self._health[name].repairs += 1
+            wrote = True
 
-        async with trio.open_nursery() as n:
-            for name in targets:
-                n.start_soon(one, name)
-        if len(held) < quorum:
-            raise errors[0] if errors else StoreError(",".join(targets), "no store took the chunk")
-        return [t for t in targets if t in held], wrote
-
-    async def get_any(self, names: Sequence[str], key: str) -> bytes:
-        """An object from the first store of `names` that has it."""
-        last: StoreError = NoSuchObject(",".join(names), f"no object {key!r}")
-        for name in self.rank(names):
-            try:
-                return await self.get(name, key)
-            except StoreError as e:
-                last = e
-        raise last
+        held = await self._put_quorum(targets, one, quorum, f"chunk {enc.digest[:16]}")
+        return held, wrote

@@ -2,8 +2,9 @@
 
 `cpfs put` (importer) and files written through the mount (writer) store chunks alike: read a span,
 hash and compress it in a thread (`encode_span`), then put it on the stores placement picks for its
-digest (`Uploader.store`), which skips stores that hold it already. Within one uploader a chunk is
-stored once: the same chunk again (zeros, shared tensors) waits for the first upload and reuses it.
+digest (`Uploader.store`), which reuses the good copies stores hold already (StorePool.store_chunk).
+Within one uploader a chunk is stored once: the same chunk again (zeros, shared tensors) joins the first
+upload (a SingleFlight) and reuses its result.
 `in_parallel` runs the spans of a file through a fixed set of workers.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .errors import CpfsError
 from .manifest import ChunkEntry
 from .placement import place
 from .pool import StorePool
+from .sync import SingleFlight
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -49,27 +51,34 @@ class Uploader:
         self._pool = pool
         self._cfg = pool.config
         self._placed: dict[str, ChunkEntry] = {}
-        self._placing: dict[str, trio.Event] = {}
+        self._placing: SingleFlight[str, ChunkEntry] = SingleFlight()
         self._new = self._deduped = self._new_raw = self._stored = 0
 
     def statistics(self) -> UploadStats:
-        return UploadStats(self._new, self._deduped, self._new_raw, self._stored)
+        return UploadStats(chunks_new=self._new, chunks_deduped=self._deduped, new_raw_bytes=self._new_raw,
+                           stored_bytes=self._stored)
 
     async def store(self, enc: chunkfmt.EncodedChunk) -> ChunkEntry:
-        """The chunk on write_quorum of its stores; raises the first StoreError below quorum."""
-        while enc.digest in self._placing:
-            await self._placing[enc.digest].wait()
+        """The chunk on write_quorum of its stores; raises the first StoreError below quorum (to every
+        caller that joined the same upload)."""
         known = self._placed.get(enc.digest)
-        if known is not None:
-            self._deduped += 1
-            return known
-        done = self._placing[enc.digest] = trio.Event()
-        try:
-            targets = place(enc.digest, self._pool.names, self._cfg.replicas)
-            held, new = await self._pool.store_chunk(enc, targets, self._cfg.write_quorum)
-        finally:
-            del self._placing[enc.digest]
-            done.set()
+        if known is None:
+            led = False
+
+            async def place_it() -> ChunkEntry:
+                nonlocal led
+                led = True
+                return await self._place(enc)
+
+            known = await self._placing.run(enc.digest, place_it)
+            if led:
+                return known
+        self._deduped += 1
+        return known
+
+    async def _place(self, enc: chunkfmt.EncodedChunk) -> ChunkEntry:
+        targets = place(enc.digest, self._pool.names, self._cfg.replicas)
+        held, new = await self._pool.store_chunk(enc, targets, self._cfg.write_quorum)
         if new:
             self._new += 1
             self._new_raw += enc.raw_len

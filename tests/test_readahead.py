@@ -212,7 +212,9 @@ async def test_failing_replica_falls_back_to_the_other(tmp_path, caplog):
     from cpfs.catalog import Catalog
     from cpfs.config import load_config
     from cpfs.importer import Importer
+    from cpfs.chunk import chunk_key
     from cpfs.pool import StorePool
+    from cpfs.store import ThrottledStore, open_store
     from tests.conftest import write_config
 
     cfg = load_config(write_config(tmp_path, stores=2, replicas=2, chunk_size="64KiB"))
@@ -226,13 +228,18 @@ async def test_failing_replica_falls_back_to_the_other(tmp_path, caplog):
     blob = bytearray(bad.read_bytes())
     blob[-1] ^= 0xFF
     bad.write_bytes(bytes(blob))
+    # The store with the good copy sits behind a slow link (and has shown it): the corrupt copy's
+    # store ranks first, so the corrupt copy is tried first.
+    good = victim.stores[1]
+    pool = StorePool(cfg, stores=[ThrottledStore(s, latency=0.5) if s.name == good else s
+                                  for s in map(open_store, cfg.stores)])
+    async with trio.open_nursery() as n:
+        for _ in range(3):
+            n.start_soon(pool.head, good, chunk_key(victim.digest))
     sched = Scheduler(ChunkCache(cfg.cache_memory), pool.fetch_chunk, cfg)
     async with trio.open_nursery() as n:
         reader = await sched.open(n, m, None)
-        # Make the corrupt store look least busy so it is tried first.
-        pool._load[victim.stores[1]].outstanding += 100
         got = await read_all(reader, m.size)
-        pool._load[victim.stores[1]].outstanding -= 100
         await reader.aclose()
     assert got == payload
     assert any("corrupt replica" in r.message and victim.stores[0] in r.message and "offset 131072" in r.message

@@ -1,9 +1,12 @@
-"""The store contract (DirectoryStore), the simulated remote link (ThrottledStore), and the StorePool's
-replica fallback, all on real folders under tmp_path."""
+"""The store contract over every kind and wrapper (tests/storekinds.py), the folder store's own
+guarantees, the simulated link (ThrottledStore), store tables and the kind registry, and the StorePool's
+replica fallback, listing and dedup, all on real folders under tmp_path."""
 from __future__ import annotations
 
 import logging
 import os
+import resource
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -11,11 +14,12 @@ import trio
 
 from cpfs import chunk as chunkfmt
 from cpfs.config import parse_config
-from cpfs.errors import ChunkUnavailable, NoSuchObject, StoreError, StoreUnavailable
+from cpfs.errors import ChunkUnavailable, ConfigError, NoSuchObject, StoreError, StoreUnavailable
 from cpfs.manifest import ChunkEntry
 from cpfs.pool import StorePool
-from cpfs.store import DirectoryStore, ThrottledStore, open_store
+from cpfs.store import DirectoryStore, FaultyStore, Store, ThrottledStore, open_store, registry
 from cpfs.store.directory import TMP_SUFFIX
+from tests.storekinds import STORE_FACTORIES
 
 
 def _files(root: Path) -> list[str]:
@@ -26,44 +30,112 @@ def _temps(root: Path) -> list[str]:
     return [f for f in _files(root) if f.endswith(TMP_SUFFIX)]
 
 
-# ---- DirectoryStore -------------------------------------------------------------------------------------
+# ---- the store contract, over every kind and wrapper -------------------------------------------------
 
-async def test_directory_store_contract(tmp_path: Path) -> None:
-    """get/put/exists/delete/list behave as the Store interface says, on real files."""
-    store = DirectoryStore("d0", tmp_path / "d0")
-    await store.check()
+@pytest.fixture(params=STORE_FACTORIES)
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    async with request.param(tmp_path, "s0") as s:
+        await s.check()
+        yield s
+
+
+async def test_contract_get_put_head_exists_delete(store: Store) -> None:
+    """Objects round-trip byte for byte (empty ones too); head is the size; delete of an absent key is
+    fine; every read of an absent key is NoSuchObject naming the store."""
     assert await store.list("") == []
-    with pytest.raises(NoSuchObject) as e:
-        await store.get("chunks/ab/missing")
-    assert e.value.store == "d0" and "d0" in str(e.value)
+    for op in (store.get("chunks/ab/missing"), store.head("chunks/ab/missing"),
+               store.get_range("chunks/ab/missing", 0, 10)):
+        with pytest.raises(NoSuchObject) as e:
+            await op
+        assert e.value.store == "s0" and "s0" in str(e.value) and not e.value.transient
     assert not await store.exists("chunks/ab/missing")
 
-    await store.put("chunks/ab/ab01", b"one")
+    payload = os.urandom(300_000)
+    await store.put("chunks/ab/ab01", payload)
     await store.put("chunks/ab/ab02", memoryview(b"two"))
     await store.put("chunks/cd/cd01", b"")
-    await store.put("manifests/m1.json", b"{}")
-    assert await store.get("chunks/ab/ab01") == b"one"
+    assert await store.get("chunks/ab/ab01") == payload
     assert await store.get("chunks/ab/ab02") == b"two"
     assert await store.get("chunks/cd/cd01") == b""
-    assert (tmp_path / "d0" / "chunks" / "ab" / "ab01").read_bytes() == b"one"
-    assert await store.exists("chunks/ab/ab01")
-    assert not await store.exists("chunks/ab")          # a folder is not an object
+    assert [await store.head(k) for k in ("chunks/ab/ab01", "chunks/ab/ab02", "chunks/cd/cd01")] == [300_000, 3, 0]
+    assert await store.exists("chunks/ab/ab01") and await store.exists("chunks/cd/cd01")
+    assert not await store.exists("chunks/ab")           # a "folder" of keys is not an object
 
-    assert await store.list("") == ["chunks/ab/ab01", "chunks/ab/ab02", "chunks/cd/cd01", "manifests/m1.json"]
-    assert await store.list("chunks/") == ["chunks/ab/ab01", "chunks/ab/ab02", "chunks/cd/cd01"]
-    assert await store.list("chunks/ab/ab0") == ["chunks/ab/ab01", "chunks/ab/ab02"]
-    assert await store.list("chunk") == ["chunks/ab/ab01", "chunks/ab/ab02", "chunks/cd/cd01"]
-    assert await store.list("manifests/") == ["manifests/m1.json"]
-    assert await store.list("nothing/here/") == []
-
-    await store.put("chunks/ab/ab01", b"replaced")
-    assert await store.get("chunks/ab/ab01") == b"replaced"
     await store.delete("chunks/ab/ab01")
-    await store.delete("chunks/ab/ab01")                # absent: not an error
+    await store.delete("chunks/ab/ab01")                 # absent: not an error
     assert not await store.exists("chunks/ab/ab01")
     with pytest.raises(NoSuchObject):
         await store.get("chunks/ab/ab01")
-    assert await store.list("chunks/ab/") == ["chunks/ab/ab02"]
+    assert await store.list("chunks/") == ["chunks/ab/ab02", "chunks/cd/cd01"]
+
+
+async def test_contract_get_range(store: Store) -> None:
+    """get_range returns exactly the asked bytes, short at the end, empty past it."""
+    data = os.urandom(100_000)
+    await store.put("k/r", data)
+    assert await store.get_range("k/r", 0, 32) == data[:32]
+    assert await store.get_range("k/r", 12_345, 54_321) == data[12_345:12_345 + 54_321]
+    assert await store.get_range("k/r", 99_990, 100) == data[99_990:]
+    assert await store.get_range("k/r", 100_000, 10) == b""
+    assert await store.get_range("k/r", 5, 0) == b""
+
+
+async def test_contract_list_is_sorted_and_paged(store: Store) -> None:
+    """list is one sorted page after start_after; keys sort as strings ("a-b" < "a.c" < "a/b")."""
+    keys = ["a/c/d", "b", "a-b", "a/b", "a.c", "manifests/m1.json", "a/c/e"]
+    for k in keys:
+        await store.put(k, k.encode())
+    everything = sorted(keys)
+    assert everything == ["a-b", "a.c", "a/b", "a/c/d", "a/c/e", "b", "manifests/m1.json"]
+    assert await store.list("") == everything
+    assert await store.list("a") == everything[:5]
+    assert await store.list("a/") == ["a/b", "a/c/d", "a/c/e"]
+    assert await store.list("a/c") == ["a/c/d", "a/c/e"]
+    assert await store.list("manifests/") == ["manifests/m1.json"]
+    assert await store.list("nothing/here/") == []
+    pages, after = [], ""
+    while True:
+        page = await store.list("", start_after=after, limit=2)
+        pages.append(page)
+        if len(page) < 2:
+            break
+        after = page[-1]
+    assert pages == [everything[0:2], everything[2:4], everything[4:6], everything[6:]]
+    assert await store.list("a", start_after="a.c", limit=10) == ["a/b", "a/c/d", "a/c/e"]
+    assert await store.list("a/", start_after="a/c/d") == ["a/c/e"]
+    assert await store.list("a/", start_after="zzz") == []
+
+
+async def test_contract_overwrite_is_atomic(store: Store) -> None:
+    """A put replaces the object whole; concurrent puts of one key leave exactly one of them."""
+    await store.put("k/same", b"old")
+    await store.put("k/same", b"replaced")
+    assert await store.get("k/same") == b"replaced"
+    payloads = [bytes([i]) * (50_000 + i) for i in range(8)]
+
+    async def put(data: bytes) -> None:
+        try:
+            await store.put("k/same", data)
+        except StoreError as e:      # allowed, if transient (the pool retries): moto answers 500 at times
+            assert e.transient, e
+
+    async with trio.open_nursery() as n:
+        for data in payloads:
+            n.start_soon(put, data)
+    assert await store.get("k/same") in payloads
+    assert await store.list("k/") == ["k/same"]
+
+
+# ---- DirectoryStore -------------------------------------------------------------------------------------
+
+async def test_directory_store_objects_are_files(tmp_path: Path) -> None:
+    """A key is a file of the same path under the folder; folders of keys are no objects."""
+    store = DirectoryStore("d0", tmp_path / "d0")
+    await store.put("chunks/ab/ab01", b"one")
+    assert (tmp_path / "d0" / "chunks" / "ab" / "ab01").read_bytes() == b"one"
+    assert await store.list("chunk") == ["chunks/ab/ab01"]
+    with pytest.raises(NoSuchObject):
+        await store.head("chunks/ab")
 
 
 async def test_puts_leave_no_temp_files(tmp_path: Path) -> None:
@@ -81,24 +153,46 @@ async def test_puts_leave_no_temp_files(tmp_path: Path) -> None:
         assert await store.get(f"k/{i}") == data
 
 
-@pytest.mark.parametrize("fail", ["fsync", "rename"])
-async def test_failed_put_keeps_old_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: str) -> None:
-    """A put that fails inside the worker thread (fsync or rename) leaves the old object and no temp file."""
+async def test_failed_write_keeps_old_object(tmp_path: Path) -> None:
+    """A put whose write fails inside the worker thread (the file size limit: EFBIG) leaves the old
+    object and no temp file."""
     store = DirectoryStore("d0", tmp_path / "d0")
     await store.put("chunks/ab/x", b"old contents")
-    calls = []
-
-    def broken(*args, **kw):
-        calls.append(trio.lowlevel.in_trio_run())   # False inside a worker thread
-        raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(os, fail, broken)
-    with pytest.raises(StoreError, match="d0"):
-        await store.put("chunks/ab/x", b"new contents that never land")
-    monkeypatch.undo()
-    assert calls == [False]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))   # Python ignores SIGXFSZ: write fails
+    try:
+        with pytest.raises(StoreError, match="d0") as e:
+            await store.put("chunks/ab/x", os.urandom(1 << 20))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not isinstance(e.value, NoSuchObject)
     assert await store.get("chunks/ab/x") == b"old contents"
     assert _files(tmp_path / "d0") == ["chunks/ab/x"]
+
+
+async def test_failed_rename_leaves_no_temp_file(tmp_path: Path) -> None:
+    """A put whose rename fails (a non-empty folder sits at the key) raises and removes its temp file."""
+    store = DirectoryStore("d0", tmp_path / "d0")
+    await store.put("k/x/inner", b"inner")
+    with pytest.raises(StoreError, match="d0"):
+        await store.put("k/x", b"cannot replace a folder")
+    assert _files(tmp_path / "d0") == ["k/x/inner"]
+
+
+async def test_vanished_folder_is_unavailable_not_missing(tmp_path: Path) -> None:
+    """Once the folder has existed, its disappearance (an unmounted export) makes requests fail as a
+    transient StoreUnavailable, never as 'no such object' or an empty listing."""
+    root = tmp_path / "d0"
+    root.mkdir()
+    store = DirectoryStore("d0", root)
+    await store.put("k/a", b"x")
+    root.rename(tmp_path / "elsewhere")
+    for op in (store.get("k/a"), store.head("k/a"), store.exists("k/a"), store.list("k/"), store.check(),
+               store.put("k/b", b"y")):
+        with pytest.raises(StoreUnavailable) as e:
+            await op
+        assert e.value.transient
+    assert not root.exists()
 
 
 @pytest.mark.parametrize("key", ["../escape", "/etc/passwd", "a/../../b", "chunks/..", "", "a\0b"])
@@ -115,6 +209,10 @@ async def test_bad_keys_refused(tmp_path: Path, key: str) -> None:
         await store.exists(key)
     with pytest.raises(StoreError, match="invalid key"):
         await store.delete(key)
+    with pytest.raises(StoreError, match="invalid key"):
+        await store.head(key)
+    with pytest.raises(StoreError, match="invalid key"):
+        await store.get_range(key, 0, 1)
     assert (tmp_path / "outside").read_bytes() == b"secret"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d0", "outside"]
     assert _files(tmp_path / "d0") == []
@@ -136,8 +234,9 @@ async def test_check(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "file").write_bytes(b"")
     for root in (tmp_path / "file", tmp_path / "file" / "below"):
-        with pytest.raises(StoreUnavailable, match=r"store 'bad'.*" + str(tmp_path / "file")):
+        with pytest.raises(StoreUnavailable, match=r"store 'bad'.*" + str(tmp_path / "file")) as e:
             await DirectoryStore("bad", root).check()
+        assert not e.value.transient          # a configuration error: retrying will not help
     assert _files(tmp_path) == ["file"]
 
 
@@ -188,17 +287,117 @@ async def test_throttled_bandwidth_is_shared(tmp_path: Path, autojump_clock: tri
     assert done[-1] == pytest.approx(1.0, abs=0.01)
 
 
-async def test_open_store_wraps_simulated_links(tmp_path: Path) -> None:
-    """[[store]] tables with latency/bandwidth get a ThrottledStore around the folder; others do not."""
-    cfg = parse_config('replicas = 1\n[[store]]\nname = "a"\nurl = "a"\n[[store]]\nname = "b"\nurl = "b"\n'
-                       'latency = "5ms"\nbandwidth = "300MiB/s"\nconcurrency = 3\n', "test.toml", tmp_path)
-    a, b = (open_store(s) for s in cfg.stores)
+async def test_open_store_builds_the_stack(tmp_path: Path) -> None:
+    """A [[store]] table gets its kind, wrapped in a ThrottledStore if it simulates a link and in a
+    FaultyStore if a drill is on; plain tables get the bare kind."""
+    cfg = parse_config('replicas = 1\n[store_defaults]\ntimeout = "5s"\n'
+                       '[[store]]\nname = "a"\nurl = "a"\n'
+                       '[[store]]\nname = "b"\nurl = "b"\nlatency = "5ms"\nbandwidth = "300MiB/s"\nconcurrency = 3\n'
+                       '[[store]]\nname = "c"\nurl = "c"\nerror_rate = 0.25\ncorrupt_rate = 0.5\nfault_seed = 7\n'
+                       'latency = "1ms"\ntimeout = "250ms"\n', "test.toml", tmp_path)
+    a, b, c = (open_store(s) for s in cfg.stores)
     assert isinstance(a, DirectoryStore) and a.root == tmp_path / "a"
     assert isinstance(b, ThrottledStore) and b.latency == 0.005 and b.bandwidth == 300 * 1024**2
     assert isinstance(b.inner, DirectoryStore) and b.inner.limiter.total_tokens == 3
+    assert isinstance(c, FaultyStore) and (c.error_rate, c.corrupt_rate, c.down, c.hang) == (0.25, 0.5, False, False)
+    assert isinstance(c.inner, ThrottledStore) and isinstance(c.innermost(), DirectoryStore)
+    assert [s.timeout for s in cfg.stores] == [5.0, 5.0, 0.25]
+
+
+# ---- store tables and the kind registry -------------------------------------------------------------------
+
+def _one_store(tmp_path: Path, table: str) -> str:
+    return f'replicas = 1\n[[store]]\nname = "s"\n{table}\n'
+
+
+@pytest.mark.parametrize("table, key, what", [
+    ('url = "a"\nerror_rate = 1.5', "store 's'.error_rate", "between 0 and 1"),
+    ('url = "a"\ncorrupt_rate = "often"', "store 's'.corrupt_rate", "between 0 and 1"),
+    ('url = "a"\ndown = "yes"', "store 's'.down", "true or false"),
+    ('url = "a"\nhang = 1', "store 's'.hang", "true or false"),
+    ('url = "a"\nfault_seed = 1.5', "store 's'.fault_seed", "integer"),
+    ('url = "a"\ntimeout = "soon"', "store 's'.timeout", "duration"),
+    ('url = "a"\ntimeout = 0', "store 's'.timeout", "more than 0"),
+    ('url = "a"\nendpoint = "http://x"', "store[0].endpoint", "unknown key (for a dir store)"),
+    ('url = "ftp://host/x"', "store 's'.url", "unsupported scheme"),
+])
+def test_store_table_errors_name_the_key(tmp_path: Path, table: str, key: str, what: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(_one_store(tmp_path, table), "test.toml", tmp_path)
+    assert str(e.value).startswith(f"test.toml: {key}: ") and what in str(e.value)
+
+
+@pytest.mark.parametrize("entry, why", [("cpfs.store.no_such_module:S3Store", "cannot be imported"),
+                                        ("cpfs.store.base:NoSuchClass", "has no NoSuchClass"),
+                                        ("cpfs.store.base:Store", "is not a store kind yet")])
+def test_unavailable_kind_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            entry: str, why: str) -> None:
+    """An s3:// store whose module is missing or not ready is a ConfigError on its url, not a crash."""
+    monkeypatch.setitem(registry.KINDS, "s3", entry)
+    with pytest.raises(ConfigError) as e:
+        parse_config(_one_store(tmp_path, 'url = "s3://bucket/prefix"'), "test.toml", tmp_path)
+    assert str(e.value).startswith("test.toml: store 's'.url: s3 stores are not supported yet") and why in str(e.value)
+
+
+class FlavouredStore(DirectoryStore):
+    """A kind registered by the test: a folder with one option of its own."""
+
+    kind = "flavoured"
+    option_keys = frozenset({"flavour"})
+
+    @classmethod
+    def parse_options(cls, url, raw, ctx):
+        flavour = ctx.convert("flavour", str, raw.get("flavour", "plain"))
+        if flavour not in ("plain", "salted"):
+            raise ctx.fail("flavour", f"expected 'plain' or 'salted', got {flavour!r}")
+        return {"path": ctx.base / url.split("://", 1)[1], "flavour": flavour}
+
+    @classmethod
+    def from_config(cls, cfg):
+        store = cls(cfg.name, cfg.options["path"], trio.CapacityLimiter(cfg.concurrency))
+        store.flavour = cfg.options["flavour"]
+        return store
+
+
+async def test_registered_kind_parses_its_own_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind adds its own [[store]] keys and validates them with errors naming the key; the common keys
+    still apply to it, and open_store builds it."""
+    monkeypatch.setitem(registry.KINDS, "flavoured", FlavouredStore)
+    monkeypatch.setitem(registry.SCHEMES, "flav", "flavoured")
+    cfg = parse_config(_one_store(tmp_path, 'url = "flav://x"\nflavour = "salted"\nconcurrency = 2\nlatency = "1ms"'),
+                       "test.toml", tmp_path)
+    [sc] = cfg.stores
+    assert (sc.kind, sc.options["flavour"], sc.concurrency, sc.latency) == ("flavoured", "salted", 2, 0.001)
+    store = open_store(sc)
+    assert isinstance(store, ThrottledStore) and store.inner.flavour == "salted" and store.inner.root == tmp_path / "x"
+    await store.put("k", b"v")
+    assert await store.get("k") == b"v"
+    with pytest.raises(ConfigError, match=r"test.toml: store 's'.flavour: expected 'plain' or 'salted'"):
+        parse_config(_one_store(tmp_path, 'url = "flav://x"\nflavour = "sour"'), "test.toml", tmp_path)
+    with pytest.raises(ConfigError, match=r"store\[0\].endpoint: unknown key \(for a flavoured store\)"):
+        parse_config(_one_store(tmp_path, 'url = "flav://x"\nendpoint = "e"'), "test.toml", tmp_path)
 
 
 # ---- StorePool ------------------------------------------------------------------------------------------
+
+async def test_pool_works_over_every_kind(store: Store, tmp_path: Path) -> None:
+    """The pool's chunk path and paged listing over one store of each kind and wrapper."""
+    pool = StorePool(parse_config('replicas = 1\n[[store]]\nname = "s0"\nurl = "unused"\n', "t.toml", tmp_path),
+                     stores=[store])
+    data = os.urandom(200_000)
+    enc = chunkfmt.encode(data)
+    assert await pool.store_chunk(enc, ["s0"], quorum=1) == (["s0"], True)
+    entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, ("s0",))
+    assert await pool.fetch_chunk(entry, "file f offset 0 chunk 0") == data
+    assert await pool.store_chunk(enc, ["s0"], quorum=1) == (["s0"], False)
+    keys = [f"manifests/{i:03d}" for i in range(7)]
+    assert await pool.put_quorum(["s0"], keys[0], b"m", 1) == ["s0"]
+    for k in keys[1:]:
+        await pool.put("s0", k, b"m")
+    assert [page async for page in pool.iter_keys("s0", "manifests/", page=3)] == [keys[0:3], keys[3:6], keys[6:]]
+    assert await pool.list_keys("s0", "manifests/") == keys
+    assert await pool.list_keys("s0", "") == [chunkfmt.chunk_key(enc.digest)] + keys
+
 
 def _pool(tmp_path: Path, stores: int = 2) -> StorePool:
     text = "replicas = 2\n" + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(stores))

@@ -3,27 +3,83 @@
 Objects are files named by their key. Puts write a unique temporary name, fsync it, rename it over the
 final name and fsync the folder, so a crash leaves either the old object or the new one. All blocking
 calls run in worker threads under this store's own limiter, so a slow mount never stalls the event loop.
+
+Caveat: a thread stuck in a hung NFS call cannot be stopped. On cancellation (the pool's timeout) the
+thread is abandoned: the caller moves on at once, the thread finishes (or not) on its own and keeps its
+limiter token until then, so a hung folder can tie up at most `concurrency` threads.
 """
 from __future__ import annotations
 
 import errno
+import inspect
+import itertools
 import os
+import stat
 import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..errors import NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
 from .base import Store
 
+if TYPE_CHECKING:
+    from ..config import StoreConfig
+    from .registry import OptionContext
+
+# trio >= 0.23 calls it abandon_on_cancel; older versions cancellable.
+_ABANDON = ("abandon_on_cancel" if "abandon_on_cancel" in inspect.signature(trio.to_thread.run_sync).parameters
+            else "cancellable")
+# errnos after which the same request may well succeed: a busy or flaky NFS/Lustre server.
+_TRANSIENT = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE,
+              errno.ENOTCONN, errno.ECONNRESET, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETUNREACH}
+
 TMP_SUFFIX = ".cpfs-tmp"
 
 
+def _fsync_dir(folder: Path) -> None:
+    """Make a folder's entries (a new name, a rename) durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class DirectoryStore(Store):
-    def __init__(self, name: str, root: Path, limiter: trio.CapacityLimiter | None = None) -> None:
+    """The `dir` kind: file:///abs/path URLs, or plain paths (relative to the config file's folder)."""
+
+    kind = "dir"
+    option_keys: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse_options(cls, url: str, raw: Mapping[str, Any], ctx: OptionContext) -> dict[str, Any]:
+        """{"path": the folder}; the errors name the [[store]]'s url key."""
+        local = url[len("file://"):] if url.startswith("file://") else url
+        try:
+            path = Path(ctx.expand(local)).expanduser()
+        except KeyError as e:
+            raise ctx.fail("url", f"${e.args[0]} is not set (in {url!r})") from None
+        if url.startswith("file://") and not path.is_absolute():
+            raise ctx.fail("url", f"file:// URLs need an absolute path, got {url!r}")
+        return {"path": path if path.is_absolute() else ctx.base / path}
+
+    @classmethod
+    def from_config(cls, cfg: StoreConfig) -> DirectoryStore:
+        return cls(cfg.name, cfg.options["path"], trio.CapacityLimiter(cfg.concurrency),
+                   file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)
+
+    def __init__(self, name: str, root: Path, limiter: trio.CapacityLimiter | None = None, *,
+                 file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
         self.name = name
         self.root = Path(root)
         self.limiter = limiter or trio.CapacityLimiter(8)
+        # Objects are private to the owner unless configured otherwise: the mount applies its own
+        # permissions, and a world-readable chunk would bypass them.
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
         # Once the folder has existed, it is never made again: if it vanishes (an unmounted NFS
         # export, a lost disk), puts must fail rather than start an empty store in its place.
         self._root_seen = self.root.is_dir()
@@ -45,10 +101,24 @@ class DirectoryStore(Store):
             return StoreFull(self.name, f"no space left writing {key!r} under {self.root}")
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return StoreDenied(self.name, f"{key!r} under {self.root}: {e.strerror}")
-        return StoreError(self.name, f"{key!r}: {e.strerror or e}")
+        return StoreError(self.name, f"{key!r}: {e.strerror or e}", transient=e.errno in _TRANSIENT)
 
     async def _run(self, fn, *args):
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        """fn(*args) in a worker thread; abandoned (not waited for) if the caller is cancelled."""
+        return await trio.to_thread.run_sync(self._guarded, fn, *args, limiter=self.limiter, **{_ABANDON: True})
+
+    def _guarded(self, fn, *args):
+        """A missing file is a missing object, unless the whole folder is gone: then the store is."""
+        try:
+            return fn(*args)
+        except FileNotFoundError:
+            if self._gone():
+                raise StoreUnavailable(self.name, f"folder {self.root} is gone") from None
+            raise
+
+    def _gone(self) -> bool:
+        """The folder existed and has vanished (an unmounted export, a lost disk). Blocking."""
+        return self._root_seen and not self.root.is_dir()
 
     @staticmethod
     def _read_sync(path: Path) -> bytes:
@@ -75,31 +145,84 @@ class DirectoryStore(Store):
         except OSError as e:
             raise self._error(e, key) from None
 
-    def _makedirs(self, folder: Path) -> None:
-        """Create the folders between the store's root and `folder`, never the root itself."""
+    @staticmethod
+    def _read_range_sync(path: Path, start: int, length: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            parts = []
+            want, pos = length, start
+            while want > 0:
+                got = os.pread(fd, want, pos)      # pread: concurrent ranges share no seek position
+                if not got:
+                    break
+                parts.append(got)
+                want -= len(got)
+                pos += len(got)
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        path = self._path(key)
+        if start < 0 or length < 0:
+            raise StoreError(self.name, f"invalid range {start}+{length} of {key!r}")
+        try:
+            return await self._run(self._read_range_sync, path, start, length)
+        except OSError as e:
+            raise self._error(e, key) from None
+
+    def _size_sync(self, path: Path) -> int | None:
+        """Size of the regular file at `path`; None if there is none (a folder of keys is no object)."""
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            if self._gone():
+                raise StoreUnavailable(self.name, f"folder {self.root} is gone") from None
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    async def head(self, key: str) -> int:
+        path = self._path(key)
+        try:
+            size = await self._run(self._size_sync, path)
+        except OSError as e:
+            raise self._error(e, key) from None
+        if size is None:
+            raise NoSuchObject(self.name, f"no object {key!r}")
+        return size
+
+    def _makedirs(self, folder: Path, top: Path | None = None) -> None:
+        """Create the folders between `top` (default: the store's root, never made again once it
+        existed) and `folder`, each with dir_mode (exactly: chmod, whatever the umask) and fsynced into
+        its parent, so that a crash cannot lose a folder whose files were fsynced."""
+        top = self.root if top is None else top
         missing = []
-        while folder != self.root and not folder.is_dir():
+        while folder != top and folder != folder.parent and not folder.is_dir():
             missing.append(folder)
             folder = folder.parent
         for d in reversed(missing):
             try:
-                d.mkdir()
+                os.mkdir(d, self.dir_mode)
+                os.chmod(d, self.dir_mode)
             except FileExistsError:
-                pass
+                pass      # another put made it: its parent is fsynced below all the same, before our file
             except FileNotFoundError:
                 raise StoreUnavailable(self.name, f"folder {self.root} is gone") from None
+            _fsync_dir(d.parent)
 
     def _put_sync(self, path: Path, data: bytes | memoryview) -> None:
         if not self._root_seen:
-            self.root.mkdir(parents=True, exist_ok=True)     # a new store: its first put makes it
+            self._makedirs(self.root, Path(self.root.anchor))   # a new store: its first put makes it
             self._root_seen = True
         elif not self.root.is_dir():
             raise StoreUnavailable(self.name, f"folder {self.root} is gone")
         self._makedirs(path.parent)
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
             try:
+                os.fchmod(fd, self.file_mode)      # exactly the configured mode, whatever the umask
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
@@ -110,11 +233,7 @@ class DirectoryStore(Store):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _fsync_dir(path.parent)
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
@@ -126,7 +245,7 @@ class DirectoryStore(Store):
     async def exists(self, key: str) -> bool:
         path = self._path(key)
         try:
-            return await self._run(path.is_file)      # a folder of keys is not an object
+            return await self._run(self._size_sync, path) is not None
         except OSError as e:
             raise self._error(e, key) from None
 
@@ -137,36 +256,65 @@ class DirectoryStore(Store):
         except OSError as e:
             raise self._error(e, key) from None
 
-    def _list_sync(self, prefix: str) -> list[str]:
-        head, _, _ = prefix.rpartition("/")
-        start = self.root / head if head else self.root
-        out = []
-        for dirpath, _dirs, files in os.walk(start):
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == "." else rel + "/"
-            out.extend(rel + f for f in files if not f.endswith(TMP_SUFFIX) and (rel + f).startswith(prefix))
-        return sorted(out)
-
-    async def list(self, prefix: str) -> list[str]:
-        self._check_prefix(prefix)
+    def _walk(self, folder: str, prefix: str, start_after: str) -> Iterator[str]:
+        """Keys under `folder` ("" or "a/b/") in sorted order, pruned to those that can start with
+        `prefix` and sort after `start_after`. Siblings sort by name, folders as "name/", so that the
+        depth-first order is the order of the whole keys ("a-b" < "a/c" since "-" < "/")."""
         try:
-            return await self._run(self._list_sync, prefix)
+            with os.scandir(self.root / folder if folder else self.root) as it:
+                entries = [(e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e) for e in it]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name, _ in sorted(entries, key=lambda ne: ne[0]):
+            key = folder + name
+            if not (key.startswith(prefix) or prefix.startswith(key)):
+                continue
+            if name.endswith("/"):
+                # Every key below sorts after start_after, or none does, unless start_after is below.
+                if key <= start_after and not start_after.startswith(key):
+                    continue
+                yield from self._walk(key, prefix, start_after)
+            elif key > start_after and key.startswith(prefix) and not name.endswith(TMP_SUFFIX):
+                yield key
+
+    def _list_sync(self, prefix: str, start_after: str, limit: int) -> list[str]:
+        if self._gone():
+            raise StoreUnavailable(self.name, f"folder {self.root} is gone")
+        head, _, _ = prefix.rpartition("/")
+        return list(itertools.islice(self._walk(head + "/" if head else "", prefix, start_after), limit))
+
+    async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        self._check_prefix(prefix)
+        if limit < 1:
+            raise StoreError(self.name, f"invalid list limit {limit}")
+        try:
+            return await self._run(self._list_sync, prefix, start_after, limit)
         except OSError as e:
             raise self._error(e, prefix) from None
 
     def _check_sync(self) -> None:
         # Creates nothing, so that a startup that fails on another store leaves no trace: the folder,
         # or the nearest existing folder above it (the first put creates the rest), must be writable.
+        # A folder that existed and vanished may come back (a remount): that failure is transient;
+        # a path that is not a usable folder is a configuration error.
+        if self._gone():
+            raise StoreUnavailable(self.name, f"folder {self.root} is gone")
         path = self.root
         while not path.exists() and path != path.parent:
             path = path.parent
         if not path.is_dir():
-            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {path} is not a directory")
+            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {path} is not a directory",
+                                   transient=False)
         if not os.access(path, os.W_OK | os.X_OK):
-            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {path} is not writable")
+            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {path} is not writable",
+                                   transient=False)
 
     async def check(self) -> None:
         try:
             await self._run(self._check_sync)
         except OSError as e:
-            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {e.strerror or e}") from None
+            raise StoreUnavailable(self.name, f"folder {self.root} is not usable: {e.strerror or e}",
+                                   transient=e.errno in _TRANSIENT) from None
+
+    def __repr__(self) -> str:
+        return f"DirectoryStore({self.name!r}, {str(self.root)!r})"

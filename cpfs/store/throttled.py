@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import trio
 
-from .base import Store
+from .base import Store, StoreWrapper
 
 
-class ThrottledStore(Store):
+class ThrottledStore(StoreWrapper):
     def __init__(self, inner: Store, latency: float = 0.0, bandwidth: float | None = None) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self.latency = latency
         self.bandwidth = bandwidth
         self._link_free_at = 0.0
@@ -33,6 +32,16 @@ class ThrottledStore(Store):
         await self._delay(start, len(data))
         return data
 
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        t0 = trio.current_time()
+        data = await self.inner.get_range(key, start, length)
+        await self._delay(t0, len(data))
+        return data
+
+    async def head(self, key: str) -> int:
+        await self._delay(trio.current_time(), 0)
+        return await self.inner.head(key)
+
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self._delay(trio.current_time(), len(data))
         await self.inner.put(key, data)
@@ -45,12 +54,6 @@ class ThrottledStore(Store):
         await self._delay(trio.current_time(), 0)
         await self.inner.delete(key)
 
-    async def list(self, prefix: str) -> list[str]:
+    async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
         await self._delay(trio.current_time(), 0)
-        return await self.inner.list(prefix)
-
-    async def check(self) -> None:
-        await self.inner.check()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+        return await self.inner.list(prefix, start_after, limit)

@@ -1,0 +1,110 @@
+"""Metering: a wrapper that counts what one store is asked and how it answers.
+
+The pool puts one around every store and ranks replicas on its live numbers (`outstanding`,
+`latency_ewma`); `statistics()` is the snapshot tests, benchmarks and the stats command read.
+A request counts once per call that reaches this wrapper: the pool's retries are separate requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+
+import trio
+
+from ..errors import StoreError
+from .base import Store, StoreWrapper
+
+EWMA_WEIGHT = 0.2       # weight of the newest latency sample
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    name: str
+    requests: int           # calls made
+    errors: int             # calls that raised a StoreError (NoSuchObject included)
+    cancelled: int          # calls abandoned by their caller (timeouts, a reader gone)
+    outstanding: int        # calls in flight now
+    peak_outstanding: int
+    bytes_read: int
+    bytes_written: int
+    latency_ewma: float     # seconds, moving average over calls that answered
+
+
+class _Request:
+    """One call: in flight from `with` to its end; its outcome decides which counter moves."""
+
+    def __init__(self, meter: MeteredStore) -> None:
+        self._m = meter
+
+    def __enter__(self) -> _Request:
+        m = self._m
+        m.requests += 1
+        m.outstanding += 1
+        m.peak_outstanding = max(m.peak_outstanding, m.outstanding)
+        self._t0 = trio.current_time()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        m = self._m
+        m.outstanding -= 1
+        if exc_type is None or issubclass(exc_type, StoreError):
+            # An error is an answer too (a NoSuchObject is as fast as a hit): both time the store.
+            elapsed = trio.current_time() - self._t0
+            m.latency_ewma += EWMA_WEIGHT * (elapsed - m.latency_ewma)
+            if exc_type is not None:
+                m.errors += 1
+        else:
+            m.cancelled += 1
+
+
+class MeteredStore(StoreWrapper):
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.requests = self.errors = self.cancelled = 0
+        self.outstanding = self.peak_outstanding = 0
+        self.bytes_read = self.bytes_written = 0
+        self.latency_ewma = 0.0
+
+    def statistics(self) -> StoreStats:
+        return StoreStats(name=self.name, requests=self.requests, errors=self.errors, cancelled=self.cancelled,
+                          outstanding=self.outstanding, peak_outstanding=self.peak_outstanding,
+                          bytes_read=self.bytes_read, bytes_written=self.bytes_written,
+                          latency_ewma=self.latency_ewma)
+
+    async def get(self, key: str) -> bytes:
+        with _Request(self):
+            data = await self.inner.get(key)
+        self.bytes_read += len(data)
+        return data
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        with _Request(self):
+            data = await self.inner.get_range(key, start, length)
+        self.bytes_read += len(data)
+        return data
+
+    async def head(self, key: str) -> int:
+        with _Request(self):
+            return await self.inner.head(key)
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        with _Request(self):
+            await self.inner.put(key, data)
+        self.bytes_written += len(data)
+
+    async def exists(self, key: str) -> bool:
+        with _Request(self):
+            return await self.inner.exists(key)
+
+    async def delete(self, key: str) -> None:
+        with _Request(self):
+            await self.inner.delete(key)
+
+    async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        with _Request(self):
+            return await self.inner.list(prefix, start_after, limit)
+
+    async def check(self) -> None:
+        with _Request(self):
+            await self.inner.check()

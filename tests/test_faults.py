@@ -1,0 +1,294 @@
+"""Fault drills through the real StorePool over real folders: transient errors retried, stores down or
+hung (also a worker thread stuck in the kernel), corrupt copies under dedup, manifests that lie.
+Faults are injected by wrapping stores (FaultyStore) or by the filesystem, never by patching."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from cpfs import chunk as chunkfmt
+from cpfs.config import Config, parse_config
+from cpfs.errors import ChunkUnavailable, StoreError, StoreUnavailable
+from cpfs.manifest import ChunkEntry
+from cpfs.placement import place
+from cpfs.pool import DOWN_AFTER, VERIFY_FULL_MAX, StorePool
+from cpfs.store import FaultyStore, Store, open_store
+from cpfs.upload import Uploader
+
+TIMEOUT = 0.3          # seconds: short, so a hung store costs little; bounds below are 10x looser
+
+
+def _config(tmp_path: Path, stores: int = 3, replicas: int = 2, timeout: float = TIMEOUT) -> Config:
+    text = (f'replicas = {replicas}\n[store_defaults]\ntimeout = "{int(timeout * 1000)}ms"\n'
+            + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(stores)))
+    return parse_config(text, "faults.toml", tmp_path)
+
+
+def _folders(config: Config) -> list[Store]:
+    return [open_store(s) for s in config.stores]
+
+
+def _entry(enc: chunkfmt.EncodedChunk, held: list[str]) -> ChunkEntry:
+    return ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held))
+
+
+def _copy(tmp_path: Path, store: str, digest: str) -> Path:
+    return tmp_path / store / chunkfmt.chunk_key(digest)
+
+
+def _every_copy_good(tmp_path: Path, entry: ChunkEntry) -> bool:
+    for name in entry.stores:
+        try:
+            chunkfmt.decode(_copy(tmp_path, name, entry.digest).read_bytes(), entry.digest)
+        except Exception:
+            return False
+    return True
+
+
+async def _store(pool: StorePool, data: bytes, targets: list[str] | None = None) -> ChunkEntry:
+    enc = chunkfmt.encode(data)
+    targets = targets or place(enc.digest, pool.names, pool.config.replicas)
+    held, _ = await pool.store_chunk(enc, targets, quorum=len(targets))
+    return _entry(enc, held)
+
+
+def _down(pool: StorePool, name: str) -> bool:
+    return not pool.is_up(name)
+
+
+# ---- transient errors -------------------------------------------------------------------------------
+
+async def test_error_rate_is_retried_and_bytes_stay_right(tmp_path: Path) -> None:
+    """With every store failing a fifth of its requests, writes reach quorum and reads return the right
+    bytes: the pool retries transient failures; nothing is marked down. (A long timeout: every retry
+    fits in it, so the seeded run is the same however slow the machine.)"""
+    config = _config(tmp_path, timeout=30)
+    faulty = [FaultyStore(s, error_rate=0.2, seed=i) for i, s in enumerate(_folders(config))]
+    pool = StorePool(config, stores=faulty, seed=0)
+    payloads = [os.urandom(50_000 + i) for i in range(12)]
+    entries = [await _store(pool, data, pool.names[i % 3:] + pool.names[:i % 3][:2]) for i, data in enumerate(payloads)]
+    for entry, data in zip(entries, payloads):
+        assert await pool.fetch_chunk(entry, "drill") == data
+    assert sum(f.statistics().errors for f in faulty) > 0
+    assert sum(h.retries for h in pool.health()) >= sum(f.statistics().errors for f in faulty)
+    assert all(h.up for h in pool.health())
+
+
+async def test_permanent_errors_are_not_retried(tmp_path: Path) -> None:
+    """A missing object is an answer: one request, no retry, the store stays up."""
+    pool = StorePool(_config(tmp_path))
+    with pytest.raises(StoreError) as e:
+        await pool.get("s0", "chunks/ab/missing")
+    assert not e.value.transient
+    assert pool.statistics()[0].requests == 1 and pool.health()[0].retries == 0 and pool.is_up("s0")
+
+
+# ---- a store down -----------------------------------------------------------------------------------
+
+async def test_down_store_is_skipped_for_reads_and_probed_back_up(tmp_path: Path) -> None:
+    """A store that goes down: reads fall over to the other replica, the store is marked down after
+    DOWN_AFTER failed requests and ranked last, and the background probe marks it up once it answers."""
+    config = _config(tmp_path)
+    faulty = [FaultyStore(s) for s in _folders(config)]
+    payloads = [os.urandom(30_000 + i) for i in range(2 * DOWN_AFTER)]
+    entries = [await _store(StorePool(config, stores=faulty), data, ["s0", "s1"]) for data in payloads]
+    faulty[0].down = True
+    pool = StorePool(config, stores=faulty, probe_interval=0.01)   # idle: ranks s0 (failing fast) first
+    async with trio.open_nursery() as n:
+        await n.start(pool.run)
+        with trio.fail_after(10):
+            for entry, data in zip(entries, payloads):
+                assert await pool.fetch_chunk(entry, "drill") == data
+        assert _down(pool, "s0") and pool.rank(["s0", "s1"]) == ["s1", "s0"]
+        refused = faulty[0].statistics().refused
+        assert await pool.fetch_chunk(entries[0], "drill") == payloads[0]
+        assert faulty[0].statistics().refused == refused          # a down store is not even asked
+        faulty[0].down = False
+        with trio.fail_after(10):
+            while _down(pool, "s0"):
+                await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert pool.health()[0].probes >= 1 and pool.health()[0].marked_down == 1
+
+
+async def test_writes_below_quorum_fail_cleanly(tmp_path: Path) -> None:
+    """With one of two target stores down, a quorum-2 write raises StoreUnavailable naming it (no temp
+    files left anywhere); a quorum-1 write succeeds on the other and says so."""
+    config = _config(tmp_path)
+    faulty = [FaultyStore(s) for s in _folders(config)]
+    pool = StorePool(config, stores=faulty)
+    faulty[1].down = True
+    enc = chunkfmt.encode(os.urandom(40_000))
+    with pytest.raises(StoreUnavailable) as e:
+        await pool.store_chunk(enc, ["s0", "s1"], quorum=2)
+    assert e.value.store == "s1" and "down" in str(e.value)
+    with pytest.raises(StoreUnavailable):
+        await pool.put_quorum(["s1", "s2"], "manifests/x", b"{}", 2)
+    assert await pool.put_quorum(["s1", "s2"], "manifests/x", b"{}", 1) == ["s2"]
+    assert await pool.store_chunk(enc, ["s0", "s1"], quorum=1) == (["s0"], False)   # s0 got it above
+    for i in range(3):
+        assert not [p for p in (tmp_path / f"s{i}").rglob("*") if p.name.endswith(".cpfs-tmp")]
+
+
+async def test_down_in_config_is_a_drill_not_a_config_error(tmp_path: Path) -> None:
+    """`down = true` on a [[store]]: check() marks it down instead of refusing to start, reads and
+    writes go to the others."""
+    config = parse_config('replicas = 2\nwrite_quorum = 1\n'
+                          '[[store]]\nname = "s0"\nurl = "s0"\ndown = true\n'
+                          '[[store]]\nname = "s1"\nurl = "s1"\n', "drill.toml", tmp_path)
+    pool = StorePool(config)
+    await pool.check()
+    assert _down(pool, "s0") and pool.is_up("s1")
+    entry = await _store(pool, b"x" * 5000, ["s1"])
+    assert await pool.fetch_chunk(entry, "drill") == b"x" * 5000
+    held, _ = await pool.store_chunk(chunkfmt.encode(b"y" * 5000), ["s0", "s1"], quorum=1)
+    assert held == ["s1"]
+
+
+# ---- a store hung -----------------------------------------------------------------------------------
+
+async def test_hung_store_fails_over_within_the_timeout(tmp_path: Path) -> None:
+    """hang = true on one of three stores: a fetch whose first replica is there answers from the next
+    one after about one timeout, and the hung store is marked down; then reads skip it, and listing
+    and writes on it fail within the timeout instead of hanging."""
+    config = _config(tmp_path)
+    faulty = [FaultyStore(s) for s in _folders(config)]
+    data = os.urandom(100_000)
+    entry = await _store(StorePool(config, stores=faulty), data, ["s0", "s1"])
+    faulty[0].hang = True
+    pool = StorePool(config, stores=faulty)           # idle: ranks replicas in the entry's order
+    with trio.fail_after(10 * TIMEOUT):
+        t0 = trio.current_time()
+        assert await pool.fetch_chunk(entry, "drill") == data
+        assert trio.current_time() - t0 >= TIMEOUT
+        assert _down(pool, "s0") and pool.health()[0].timeouts == 1
+        assert await pool.fetch_chunk(entry, "drill") == data         # skips it now
+        with pytest.raises(StoreUnavailable):
+            await pool.list_keys("s0", "chunks/")
+        with pytest.raises(StoreUnavailable):
+            await pool.store_chunk(chunkfmt.encode(b"new" * 1000), ["s0", "s2"], quorum=2)
+    assert faulty[0].statistics().hung == 1
+
+
+async def test_hang_in_config_at_startup(tmp_path: Path) -> None:
+    """hang = true with a per-store timeout: startup marks the store down within that timeout."""
+    config = parse_config('replicas = 1\n[[store]]\nname = "s0"\nurl = "s0"\nhang = true\ntimeout = "100ms"\n'
+                          '[[store]]\nname = "s1"\nurl = "s1"\n', "drill.toml", tmp_path)
+    pool = StorePool(config)
+    with trio.fail_after(5):
+        await pool.check()
+    assert _down(pool, "s0") and pool.health()[0].timeouts == 1
+
+
+async def test_worker_thread_stuck_in_the_kernel_is_abandoned(tmp_path: Path) -> None:
+    """A folder store's read that blocks in the kernel (the chunk file is a FIFO nobody writes: like a
+    hung NFS server) is abandoned at the timeout and the read fails over; the thread ends once
+    the FIFO gets a writer."""
+    config = _config(tmp_path)
+    data = os.urandom(80_000)
+    entry = await _store(StorePool(config), data, ["s0", "s1"])
+    fifo = _copy(tmp_path, "s0", entry.digest)
+    fifo.unlink()
+    os.mkfifo(fifo)
+    pool = StorePool(config)                          # idle: ranks replicas in the entry's order
+    try:
+        with trio.fail_after(10 * TIMEOUT):
+            assert await pool.fetch_chunk(entry, "drill") == data
+        assert _down(pool, "s0") and pool.health()[0].timeouts == 1
+    finally:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)      # release the stuck reader: it sees EOF
+        os.close(fd)
+
+
+# ---- corrupt copies and dedup -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+async def test_dedup_rewrites_a_corrupt_copy(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
+    """A chunk that exists on its placement is reused only after checking it: a copy with a flipped
+    byte (small chunk: compared whole), cut short, or with a bad header (large chunk: size and header
+    compared) is rewritten, so the write leaves every replica good."""
+    pool = StorePool(_config(tmp_path))
+    size = 100_000 if damage == "flip" else 2 * VERIFY_FULL_MAX
+    data = os.urandom(size)
+    entry = await _store(pool, data)
+    bad = _copy(tmp_path, entry.stores[0], entry.digest)
+    blob = bytearray(bad.read_bytes())
+    if damage == "flip":
+        blob[len(blob) // 2] ^= 0x10
+    elif damage == "truncate":
+        del blob[-1000:]
+    else:
+        blob[8] ^= 0xFF
+    bad.write_bytes(blob)
+    assert not _every_copy_good(tmp_path, entry)
+    uploader = Uploader(pool)
+    with caplog.at_level(logging.WARNING, logger="cpfs.pool"):
+        stored = await uploader.store(chunkfmt.encode(data))
+    assert stored.stores == entry.stores and _every_copy_good(tmp_path, entry)
+    assert uploader.statistics().chunks_new == 1
+    assert any("rewriting" in r.getMessage() and entry.stores[0] in r.getMessage() for r in caplog.records)
+    assert pool.health()[pool.names.index(entry.stores[0])].repairs == 1
+
+
+async def test_a_copy_a_read_found_corrupt_is_rewritten(tmp_path: Path) -> None:
+    """A flipped byte in the middle of a large copy passes the size and header check, but once a read
+    has found that copy corrupt, the next write of the chunk rewrites it."""
+    pool = StorePool(_config(tmp_path))
+    data = os.urandom(2 * VERIFY_FULL_MAX)
+    entry = await _store(pool, data)
+    bad = _copy(tmp_path, entry.stores[0], entry.digest)
+    blob = bytearray(bad.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    bad.write_bytes(blob)
+    assert await pool.store_chunk(chunkfmt.encode(data), list(entry.stores), 2) == (list(entry.stores), False)
+    assert not _every_copy_good(tmp_path, entry)            # not found without a read: the documented limit
+    reader = StorePool(_config(tmp_path))     # idle: tries the entry's first copy, the corrupt one
+    assert await reader.fetch_chunk(entry, "a read") == data
+    held, wrote = await reader.store_chunk(chunkfmt.encode(data), list(entry.stores), 2)
+    assert held == list(entry.stores) and wrote and _every_copy_good(tmp_path, entry)
+
+
+async def test_differently_encoded_copy_is_kept(tmp_path: Path) -> None:
+    """A good copy written with another codec (compression "none" vs lz4) differs from the blob in hand
+    but decodes to the same chunk: it is verified and kept, not rewritten."""
+    pool = StorePool(_config(tmp_path))
+    data = b"compressible " * 30_000
+    raw, lz4 = chunkfmt.encode(data, "none"), chunkfmt.encode(data, "lz4")
+    assert raw.blob != lz4.blob and raw.digest == lz4.digest
+    await pool.store_chunk(raw, ["s0", "s1"], 2)
+    assert await pool.store_chunk(lz4, ["s0", "s1"], 2) == (["s0", "s1"], False)
+    assert _copy(tmp_path, "s0", raw.digest).read_bytes() == raw.blob
+
+
+async def test_corrupt_reads_fall_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """corrupt_rate = 1 on one replica: every read of it is caught by the checksum and served by the
+    other, with a warning naming the store."""
+    config = _config(tmp_path)
+    stores = _folders(config)
+    stores[0] = FaultyStore(stores[0], corrupt_rate=1.0, seed=3)
+    pool = StorePool(config, stores=stores)
+    data = os.urandom(64_000)
+    enc = chunkfmt.encode(data)
+    for s in _folders(config)[:2]:
+        await s.put(chunkfmt.chunk_key(enc.digest), enc.blob)
+    entry = _entry(enc, ["s0", "s1"])
+    with caplog.at_level(logging.WARNING, logger="cpfs.pool"):
+        assert await pool.fetch_chunk(entry, "drill") == data
+    assert any("corrupt replica" in r.getMessage() and "'s0'" in r.getMessage() for r in caplog.records)
+    assert stores[0].statistics().corrupted == 1
+
+
+async def test_manifest_raw_len_that_lies_is_unavailable(tmp_path: Path) -> None:
+    """A manifest entry whose raw_len disagrees with the verified chunk never yields wrong-length bytes:
+    every replica is refused and the read fails with ChunkUnavailable."""
+    pool = StorePool(_config(tmp_path))
+    entry = await _store(pool, os.urandom(10_000))
+    for wrong in (entry.raw_len - 1, entry.raw_len + 4096):
+        lying = ChunkEntry(entry.digest, wrong, entry.stored_len, entry.codec, entry.stores)
+        with pytest.raises(ChunkUnavailable, match="the manifest says") as e:
+            await pool.fetch_chunk(lying, "file /x offset 0 chunk 0")
+        assert str(e.value).startswith("file /x offset 0 chunk 0")

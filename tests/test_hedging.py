@@ -1,0 +1,119 @@
+"""Hedged reads: a straggling or hung replica costs one hedge delay, not a timeout per chunk.
+
+Stores here are in memory behind the real wrappers (ThrottledStore for latency, FaultyStore for hang),
+and time is trio's virtual clock, so the bounds are exact, not wall-clock guesses."""
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+import os
+
+import trio
+
+from cpfs import chunk as chunkfmt
+from cpfs.config import parse_config
+from cpfs.errors import NoSuchObject
+from cpfs.manifest import ChunkEntry
+from cpfs.pool import StorePool
+from cpfs.store import FaultyStore, Store, ThrottledStore
+
+
+class MemoryStore(Store):
+    """The smallest honest store: a dict."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.objects: dict[str, bytes] = {}
+
+    async def get(self, key: str) -> bytes:
+        try:
+            return self.objects[key]
+        except KeyError:
+            raise NoSuchObject(self.name, key) from None
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        return (await self.get(key))[start:start + length]
+
+    async def head(self, key: str) -> int:
+        return len(await self.get(key))
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        self.objects[key] = bytes(data)
+
+    async def delete(self, key: str) -> None:
+        self.objects.pop(key, None)
+
+    async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        keys = sorted(k for k in self.objects if k.startswith(prefix))
+        return keys[bisect.bisect_right(keys, start_after):][:limit]
+
+
+def setup(slow_latency: float, hang: bool = False, hedges: int = 8, chunks: int = 40):
+    """Three stores at 5 ms, the first at `slow_latency` (or hung); every chunk on s0 and s1."""
+    config = parse_config('replicas = 2\n[store_defaults]\ntimeout = "30s"\nhedge_min = "10ms"\n'
+                          f'hedge_max = "500ms"\nhedges = {hedges}\n'
+                          + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(3)),
+                          "hedge.toml", Path("/nonexistent"))
+    mem = [MemoryStore(f"s{i}") for i in range(3)]
+    entries, payloads = [], []
+    for i in range(chunks):
+        data = os.urandom(1000 + i)
+        enc = chunkfmt.encode(data)
+        for m in mem[:2]:
+            m.objects[chunkfmt.chunk_key(enc.digest)] = enc.blob
+        entries.append(ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, ("s0", "s1")))
+        payloads.append(data)
+    faulty = FaultyStore(ThrottledStore(mem[0], latency=slow_latency), hang=hang)
+    stores = [faulty, ThrottledStore(mem[1], latency=0.005), ThrottledStore(mem[2], latency=0.005)]
+    return StorePool(config, stores=stores), entries, payloads
+
+
+async def load(pool: StorePool, entries, payloads, parallel: int = 8) -> float:
+    """Fetch every chunk, `parallel` at a time; the virtual seconds it took."""
+    t0 = trio.current_time()
+    limiter = trio.CapacityLimiter(parallel)
+
+    async def one(entry, data):
+        async with limiter:
+            assert await pool.fetch_chunk(entry, "hedge test") == data
+
+    async with trio.open_nursery() as n:
+        for entry, data in zip(entries, payloads):
+            n.start_soon(one, entry, data)
+    return trio.current_time() - t0
+
+
+async def test_a_straggler_at_20x_latency_costs_little(autojump_clock) -> None:
+    healthy, entries, payloads = setup(slow_latency=0.005)
+    base = await load(healthy, entries, payloads)
+    slow, entries, payloads = setup(slow_latency=0.100)
+    took = await load(slow, entries, payloads)
+    assert took <= 1.3 * base, (took, base)
+    assert slow.replica_statistics().hedges_in_flight == 0
+
+
+async def test_a_hung_replica_costs_one_hedge_delay_not_the_timeout(autojump_clock) -> None:
+    healthy, entries, payloads = setup(slow_latency=0.005)
+    base = await load(healthy, entries, payloads)
+    hung, entries, payloads = setup(slow_latency=0.005, hang=True)
+    took = await load(hung, entries, payloads)
+    assert took < 2 * base, (took, base)                # the store timeout is 30 s
+    assert hung.replica_statistics().hedges_won >= 1
+
+
+async def test_hedges_in_flight_are_capped(autojump_clock) -> None:
+    hung, entries, payloads = setup(slow_latency=0.005, hang=True, hedges=1)
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, hung.replica_statistics().hedges_in_flight)
+            await trio.sleep(0.001)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(watch)
+        await load(hung, entries, payloads)
+        n.cancel_scope.cancel()
+    s = hung.replica_statistics()
+    assert peak == 1 and s.hedges_skipped >= 1
