@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +63,43 @@ def parse_rate(value: Any) -> float:
     raise ValueError(f"expected a rate such as '300MiB/s', got {value!r}")
 
 
+def parse_mode(value: Any) -> int:
+    """'0600' -> 0o600: permission bits as a string of octal digits. Integers are refused: in TOML
+    600 is decimal and 0o600 looks like a mode but is not the documented form."""
+    if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3}", value):
+        return int(value, 8)
+    raise ValueError(f"expected permission bits as a string of octal digits such as \"0600\", got {value!r}")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Fault drills of one store (cpfs.store.faulty); all off by default."""
+
+    error_rate: float = 0.0      # fraction of requests failing with a transient error
+    corrupt_rate: float = 0.0    # fraction of reads returning altered bytes
+    down: bool = False           # every request fails
+    hang: bool = False           # every request waits forever
+    seed: int | None = None      # repeatable random choices (tests)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.error_rate or self.corrupt_rate or self.down or self.hang)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     name: str
     url: str
-    kind: str                    # "dir" (s3 comes with its own issue)
-    path: Path | None            # for "dir"
+    kind: str                    # a kind of cpfs.store.registry: "dir", "s3"
+    path: Path | None            # the folder, for "dir"
     latency: float = 0.0         # simulated per-request latency, seconds
     bandwidth: float | None = None  # simulated per-store bandwidth, bytes/s
     concurrency: int = 8         # requests in flight to this store
+    timeout: float = 30.0        # a request slower than this fails ([store_defaults] timeout)
+    file_mode: int = 0o600       # of the files a folder store writes ([store_defaults] file_mode)
+    dir_mode: int = 0o700        # of the folders it makes ([store_defaults] dir_mode)
+    faults: FaultConfig = FaultConfig()
+    options: Mapping[str, Any] = field(default_factory=dict)   # the kind's own keys, parsed by the kind
 
 
 @dataclass(frozen=True)
@@ -79,6 +108,7 @@ class Config:
     stores: tuple[StoreConfig, ...]
     replicas: int = 2
     write_quorum: int = 2
+    keep_versions: int = 3          # committed versions kept per path (older manifests are retired)
     chunk_size: int = 4 * 1024**2
     compression: str = "lz4"
     cache_memory: int = 1024**3
@@ -87,6 +117,11 @@ class Config:
     fetch_concurrency: int = 16
     cpu_threads: int = 2
     request_timeout: float = 30.0
+    hedge_min: float = 0.01         # a read slower than its store's recent p95, bounded by these two,
+    hedge_max: float = 0.5          # also asks the next replica ([store_defaults] hedge_min/max)
+    hedges: int = 8                 # hedge requests in flight at most per mount (0: no hedging)
+    file_mode: int = 0o600          # files cpfs writes on disk: store objects, staging files
+    dir_mode: int = 0o700           # folders cpfs makes: in stores, for staging
     entry_timeout: float = 300.0
     notify_store: bool = True
     read_ahead_kb: int = 1024
@@ -106,6 +141,7 @@ class Config:
 _TOP = {
     "replicas": ("replicas", int),
     "write_quorum": ("write_quorum", int),
+    "keep_versions": ("keep_versions", int),
     "chunk_size": ("chunk_size", parse_size),
     "compression": ("compression", str),
     "log_level": ("log_level", str),
@@ -126,9 +162,18 @@ _SECTIONS = {
         "refresh": ("refresh", parse_duration),
         "staging": ("staging", str),
     },
-    "store_defaults": {"timeout": ("request_timeout", parse_duration)},
+    "store_defaults": {
+        "timeout": ("request_timeout", parse_duration),
+        "hedge_min": ("hedge_min", parse_duration),
+        "hedge_max": ("hedge_max", parse_duration),
+        "hedges": ("hedges", int),
+        "file_mode": ("file_mode", parse_mode),
+        "dir_mode": ("dir_mode", parse_mode),
+    },
 }
-_STORE_KEYS = {"name", "url", "latency", "bandwidth", "concurrency", "endpoint", "region"}
+# [[store]] keys every kind has; a kind adds its own (cpfs.store.registry).
+_STORE_KEYS = {"name", "url", "latency", "bandwidth", "concurrency", "timeout",
+               "error_rate", "corrupt_rate", "down", "hang", "fault_seed"}
 
 
 def _fail(source: str, key: str, what: str) -> ConfigError:
@@ -157,39 +202,57 @@ def _expand(path: str) -> str:
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env[m.group(1) or m.group(2)], path)
 
 
+def _fraction(value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
+        return float(value)
+    raise ValueError(f"expected a fraction between 0 and 1, got {value!r}")
+
+
 def _store(source: str, base: Path, i: int, raw: Any, defaults: dict[str, Any]) -> StoreConfig:
+    """One [[store]] table: the common keys here, the kind's own keys by the kind (store.registry)."""
+    from .store import registry
     where = f"store[{i}]"
     if not isinstance(raw, dict):
         raise _fail(source, where, "each [[store]] must be a table")
-    unknown = set(raw) - _STORE_KEYS
-    if unknown:
-        raise _fail(source, f"{where}.{sorted(unknown)[0]}", "unknown key")
     for req in ("name", "url"):
         if not isinstance(raw.get(req), str) or not raw[req]:
             raise _fail(source, f"{where}.{req}", "required, a non-empty string")
     name, url = raw["name"], raw["url"]
-    where = f"store {name!r}"
-    if url.startswith("s3://"):
-        raise _fail(source, f"{where}.url", "s3:// stores are not supported yet (directory stores only)")
-    if "://" in url and not url.startswith("file://"):
-        raise _fail(source, f"{where}.url", f"unsupported scheme in {url!r} (use file:///abs/path or a path)")
+    kind = registry.kind_of(url)
+    if kind is None:
+        known = ", ".join(f"{s}://" for s in registry.SCHEMES)
+        raise _fail(source, f"store {name!r}.url", f"unsupported scheme in {url!r} (use {known} or a path)")
     try:
-        path = Path(_expand(url[len("file://"):] if url.startswith("file://") else url)).expanduser()
-    except KeyError as e:
-        raise _fail(source, f"{where}.url", f"${e.args[0]} is not set (in {url!r})") from None
-    if url.startswith("file://") and not path.is_absolute():
-        raise _fail(source, f"{where}.url", f"file:// URLs need an absolute path, got {url!r}")
-    if not path.is_absolute():
-        path = base / path
-    latency = _convert(source, f"{where}.latency", parse_duration, raw.get("latency", 0))
-    bandwidth = raw.get("bandwidth")
-    if bandwidth is not None:
-        bandwidth = _convert(source, f"{where}.bandwidth", parse_rate, bandwidth)
-    concurrency = _convert(source, f"{where}.concurrency", int, raw.get("concurrency", 8))
+        cls = registry.load(kind)
+    except registry.KindUnavailable as e:
+        raise _fail(source, f"store {name!r}.url", f"{kind} stores are not supported yet in this "
+                                                  f"installation: {e}") from None
+    unknown = set(raw) - _STORE_KEYS - cls.option_keys
+    if unknown:
+        raise _fail(source, f"{where}.{sorted(unknown)[0]}", f"unknown key (for a {kind} store)")
+    where = f"store {name!r}"
+
+    def get(key: str, parser: Any, default: Any) -> Any:
+        return _convert(source, f"{where}.{key}", parser, raw[key]) if key in raw else default
+
+    latency = get("latency", parse_duration, 0.0)
+    bandwidth = get("bandwidth", parse_rate, None)
+    concurrency = get("concurrency", int, 8)
     if concurrency < 1:
         raise _fail(source, f"{where}.concurrency", "must be at least 1")
-    return StoreConfig(name=name, url=url, kind="dir", path=path, latency=latency,
-                       bandwidth=bandwidth, concurrency=concurrency)
+    timeout = get("timeout", parse_duration, defaults.get("request_timeout", Config.request_timeout))
+    if timeout <= 0:
+        raise _fail(source, f"{where}.timeout" if "timeout" in raw else "store_defaults.timeout",
+                    "must be more than 0")
+    faults = FaultConfig(error_rate=get("error_rate", _fraction, 0.0), corrupt_rate=get("corrupt_rate", _fraction, 0.0),
+                         down=get("down", bool, False), hang=get("hang", bool, False),
+                         seed=get("fault_seed", int, None))
+    ctx = registry.OptionContext(source=source, store=name, base=base)
+    options = cls.parse_options(url, {k: v for k, v in raw.items() if k in cls.option_keys}, ctx)
+    return StoreConfig(name=name, url=url, kind=kind, path=options.get("path"), latency=latency,
+                       bandwidth=bandwidth, concurrency=concurrency, timeout=timeout,
+                       file_mode=defaults.get("file_mode", Config.file_mode),
+                       dir_mode=defaults.get("dir_mode", Config.dir_mode), faults=faults, options=options)
 
 
 def parse_config(text: str, source: str, base: Path) -> Config:
@@ -215,6 +278,11 @@ def parse_config(text: str, source: str, base: Path) -> Config:
                 values[fld] = _convert(source, f"{key}.{sub}", parser, subvalue)
         else:
             raise _fail(source, key, "unknown key")
+    # cpfs must read and write what it stores, and search the folders it makes.
+    for key, need, what in (("file_mode", 0o600, "rw"), ("dir_mode", 0o700, "rwx")):
+        if key in values and values[key] & need != need:
+            raise _fail(source, f"store_defaults.{key}", f"must give the owner {what} ({need:04o} at least), "
+                                                         f"got {values[key]:04o}")
     stores_raw = raw.get("store", [])
     if not isinstance(stores_raw, list) or not stores_raw:
         raise _fail(source, "store", "at least one [[store]] table is required")
@@ -223,10 +291,15 @@ def parse_config(text: str, source: str, base: Path) -> Config:
     for name in names:
         if names.count(name) > 1:
             raise _fail(source, f"store {name!r}.name", "duplicate store name")
-    paths = [s.path for s in stores]
+    paths = [s.path for s in stores if s.path is not None]
     for s in stores:
-        if paths.count(s.path) > 1:
+        if s.path is not None and paths.count(s.path) > 1:
             raise _fail(source, f"store {s.name!r}.url", f"two stores share the folder {s.path}")
+    # A kind without a folder names where its objects live ("location"): two stores there are one.
+    locations = [s.options.get("location") for s in stores]
+    for s in stores:
+        if s.options.get("location") is not None and locations.count(s.options["location"]) > 1:
+            raise _fail(source, f"store {s.name!r}.url", f"two stores share {s.options['location']}")
     replicas = values.get("replicas", 2)
     if replicas < 1:
         raise _fail(source, "replicas", "must be at least 1")
@@ -234,6 +307,12 @@ def parse_config(text: str, source: str, base: Path) -> Config:
         raise _fail(source, "replicas", f"{replicas} replicas need at least {replicas} stores, "
                                         f"{len(stores)} configured")
     values.setdefault("write_quorum", replicas)
+    if values.get("hedges", 0) < 0:
+        raise _fail(source, "store_defaults.hedges", "must be 0 (no hedged reads) or more")
+    if values.get("hedge_min", Config.hedge_min) > values.get("hedge_max", Config.hedge_max):
+        raise _fail(source, "store_defaults.hedge_min", "must not exceed store_defaults.hedge_max")
+    if values.get("keep_versions", 1) < 1:
+        raise _fail(source, "keep_versions", "must be at least 1 (the current version)")
     if not 1 <= values["write_quorum"] <= replicas:
         raise _fail(source, "write_quorum", f"must be between 1 and replicas ({replicas})")
     if values.get("compression", "lz4") not in ("lz4", "none"):

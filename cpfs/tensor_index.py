@@ -4,19 +4,19 @@ The readahead scheduler uses it to fetch bytes in the order ``torch.load`` reads
 them, and the chunker uses it to cut chunks at tensor boundaries. It is only a
 hint, so anything unexpected yields ``None`` instead of an exception. Torch
 checkpoints are parsed without importing torch and without running pickle code:
-the zip is read with ``struct`` and ``data.pkl`` goes through an allow-listed
-unpickler that builds inert stubs.
+the zip is read with ``struct`` and ``data.pkl`` is interpreted opcode by opcode
+over inert stubs, with allow-listed globals only. The work and memory it takes
+are bounded per byte of input; a file over budget is left unindexed (a warning),
+never waited for. Callers run it in a worker thread.
 """
 from __future__ import annotations
 
 import bisect
-import collections
 import functools
-import io
 import json
 import logging
 import os
-import pickle
+import pickletools
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -51,9 +51,19 @@ _FORMATS = ("torch-zip", "safetensors")
 _MAX_PICKLE = 64 << 20
 _MAX_CENTRAL_DIR = 64 << 20
 _MAX_SAFETENSORS_HEADER = 100 << 20
-_MAX_WALK_NODES = 1_000_000
+# data.pkl work, in budget units (see _Budget): at most so many per byte of pickle, plus a slack,
+# and never more than the cap. torch.save spends ~32 opcodes (~100 bytes) per tensor, so the caps
+# index ~500,000 tensors (a large MoE model with its optimizer state); an opcode allocates at most
+# ~65 bytes, so they also cap memory (~1 GB, reached only by a file of that many tensors).
+_OPS_PER_BYTE = 64
+_WALK_PER_BYTE = 64
+_BUDGET_SLACK = 1 << 16
+_MAX_PICKLE_OPS = 16_000_000
+_MAX_WALK = 16_000_000
+_ENTRY_COST = 8  # walk units per tensor name found: an index entry outweighs a step
 _MAX_DEPTH = 200
 _U32 = 0xFFFFFFFF
+_I64 = 1 << 63
 
 
 class _Malformed(Exception):
@@ -196,7 +206,7 @@ def _typed(value: Any, kind: type, what: str) -> Any:
 def _nonneg(value: Any) -> int:
     """An int in [0, 2**63): what torch and zip64 can express; also bounds big-int math."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
-        raise ValueError(f"expected a non-negative int64, got {value!r:.40}")
+        raise ValueError(f"expected a non-negative int64, got a {type(value).__name__}")
     return value
 
 
@@ -293,9 +303,37 @@ def zip64_extra(extra: bytes, uncomp: int, comp: int, local: int = 0) -> tuple[i
     return uncomp, comp, local
 
 
-# --- pickle stubs ------------------------------------------------------------
+# --- data.pkl: a bounded pickle interpreter ------------------------------------
+#
+# Invariant: nothing here hashes, compares, repr()s or str()s a container built from the file. The C
+# unpickler hashes dict keys and set members as it builds them, and a key that is a tuple holding
+# the same tuple twice, sixty levels deep, costs 2**60 hash steps (repr, str and == likewise): a
+# 0.5 KB file would hold the GIL for ever. So pickletools.genops decodes the opcodes (it builds no
+# objects) and the small stack machine below gives every value an inert representation: a dict is
+# a flat [key, value, ...] list, a set keeps nothing, a global is a stub. Only str and int keys are
+# ever hashed (linear in their size), when the walk names tensors. Every opcode and every walk step
+# spends from a budget that grows with the pickle's size, so work and memory are bounded per byte.
 
-# Stubs are NamedTuples: immutable, so a pickle BUILD opcode cannot rewrite them.
+class _GaveUp(_Malformed):
+    """Internal: the pickle needs more work than its size allows, or an opcode we do not interpret.
+    Unlike a plain malformed file this is worth a warning: a real checkpoint goes unindexed."""
+
+
+class _Budget:
+    """Units of work left. A unit is an opcode, an element a stub call copies, or a step of the
+    tensor walk; a name the walk finds costs its length plus _ENTRY_COST."""
+    __slots__ = ("left",)
+
+    def __init__(self, data_len: int, per_byte: int, cap: int) -> None:
+        self.left = min(per_byte * data_len + _BUDGET_SLACK, cap)
+
+    def spend(self, units: int = 1) -> None:
+        self.left -= units
+        if self.left < 0:
+            raise _GaveUp("work budget exceeded")
+
+
+# Stubs are NamedTuples (immutable: a BUILD cannot rewrite them); containers are list subclasses.
 class _DType(NamedTuple):
     name: str
 
@@ -319,106 +357,342 @@ class _Tensor(NamedTuple):
     seq: int
 
 
-def _latin1_encode(text: Any, encoding: str = "utf-8") -> bytes:
-    # Protocol-2 pickles store bytes as _codecs.encode(str, "latin1").
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError("unexpected _codecs.encode call")
-    return text.encode("latin-1")
+class _Func(NamedTuple):
+    """An allow-listed callable global; `kind` says what calling it builds."""
+    kind: str
 
 
-class _StubUnpickler(pickle.Unpickler):
-    """Resolves only allow-listed globals, each to an inert stub."""
+class _Dict(list):
+    """A dict (or OrderedDict) as [key, value, key, value, ...]: building it hashes no key."""
+    __slots__ = ()
+
+
+class _Set(list):
+    """A set or frozenset. Its members are dropped: unordered, so they get no tensor names."""
+    __slots__ = ()
+
+
+_OPAQUE = _Func("opaque")  # a value we keep no content of (torch.device, slice, encoded bytes)
+
+_TORCH_UTILS = {"_rebuild_tensor_v2": "rebuild_v2", "_rebuild_tensor_v3": "rebuild_v3",
+                "_rebuild_parameter": "parameter", "_rebuild_parameter_with_state": "parameter"}
+_BUILTINS = {"set": "set", "frozenset": "set", "slice": "opaque"}
+
+
+def _find_global(module: str, name: str) -> Any:
+    """The stub for an allow-listed global; anything else makes the file unindexable."""
+    if module == "torch._utils" and name in _TORCH_UTILS:
+        return _Func(_TORCH_UTILS[name])
+    if module in ("torch", "torch.storage") and name in _STORAGE_DTYPES:
+        return _StorageType(_STORAGE_DTYPES[name])
+    if module == "torch" and name in _ITEMSIZE:  # dtypes pickle by name, e.g. torch.bfloat16
+        return _DType(name)
+    if module == "torch" and name in ("Size", "device"):
+        return _Func("size" if name == "Size" else "opaque")
+    if module == "collections" and name == "OrderedDict":
+        return _Func("dict")
+    if module in ("builtins", "__builtin__") and name in _BUILTINS:
+        return _Func(_BUILTINS[name])
+    if module == "_codecs" and name == "encode":  # protocol 2 stores bytes as encode(str, "latin1")
+        return _OPAQUE
+    raise _Malformed(f"global {module:.60} {name:.60} is not allowed")
+
+
+class _PickleMachine:
+    """Runs one pickle's opcodes over inert values; `created` lists the tensor stubs in order."""
 
     def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.data = data
+        self.budget = _Budget(len(data), _OPS_PER_BYTE, _MAX_PICKLE_OPS)
+        self.stack: list[Any] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, Any] = {}
         self.created: list[_Tensor] = []
 
-    def _rebuild_v2(self, storage, storage_offset, size, stride, *_rest) -> _Tensor:
-        if not isinstance(storage, _Storage):
-            raise pickle.UnpicklingError("tensor without a storage")
-        return self._new_tensor(storage, storage_offset, size, stride, storage.dtype)
+    def run(self) -> Any:
+        budget, handlers = self.budget, _OPCODES
+        try:
+            for op, arg, _ in pickletools.genops(self.data):
+                budget.left -= 1  # budget.spend(), inlined: this loop is the indexer's hot spot
+                if budget.left < 0:
+                    raise _GaveUp("work budget exceeded")
+                if op.name == "STOP":
+                    return self.stack.pop()
+                handler = handlers.get(op.name)
+                if handler is None:  # EXT*, PERSID, out-of-band buffers: torch.save writes none
+                    raise _GaveUp(f"pickle opcode {op.name} is not interpreted")
+                handler(self, arg)
+        except (IndexError, KeyError, ValueError, TypeError, AttributeError) as e:
+            # genops' messages may quote the pickle; ours never quote values
+            raise _Malformed(f"bad pickle: {type(e).__name__}: {str(e):.120}") from None
+        raise _Malformed("pickle without STOP")
 
-    def _rebuild_v3(self, storage, storage_offset, size, stride, _grad, _hooks, dtype,
-                    *_rest) -> _Tensor:
-        if not isinstance(dtype, _DType):
-            raise pickle.UnpicklingError("tensor v3 without a dtype")
-        return self._new_tensor(storage, storage_offset, size, stride, dtype.name)
+    # Opcode handlers, named after the opcode (or the group) they serve; see _OPCODES.
+    def push(self, value: Any) -> None:
+        self.stack.append(value)
 
-    def _new_tensor(self, storage: Any, offset: Any, size: Any, stride: Any,
-                    dtype: str) -> _Tensor:
-        if (not isinstance(storage, _Storage) or dtype not in _ITEMSIZE
-                or len(size) != len(stride)):
-            raise pickle.UnpicklingError("bad tensor rebuild arguments")
+    def push_py2_string(self, text: str) -> None:
+        self.stack.append(text.encode("latin-1").decode("utf-8"))  # as torch.load: py2 str is utf-8
+
+    def ignore(self, _: Any) -> None:
+        pass
+
+    def mark(self, _: Any) -> None:
+        self.marks.append(len(self.stack))
+
+    def pop_mark(self, _: Any = None) -> list[Any]:
+        start = self.marks.pop()
+        items = self.stack[start:]
+        del self.stack[start:]
+        return items
+
+    def pop(self, _: Any) -> None:
+        if self.marks and self.marks[-1] == len(self.stack):
+            self.marks.pop()  # as the C unpickler: POP right after MARK drops the mark
+        else:
+            self.stack.pop()
+
+    def dup(self, _: Any) -> None:
+        self.stack.append(self.stack[-1])
+
+    def put(self, index: int) -> None:
+        self.memo[index] = self.stack[-1]
+
+    def memoize(self, _: Any) -> None:
+        self.memo[len(self.memo)] = self.stack[-1]
+
+    def get(self, index: int) -> None:
+        self.stack.append(self.memo[index])
+
+    def tuple_n(self, n: int) -> None:
+        if len(self.stack) < n:
+            raise _Malformed("stack underflow")
+        items = tuple(self.stack[len(self.stack) - n:])
+        del self.stack[len(self.stack) - n:]
+        self.stack.append(items)
+
+    def tuple_mark(self, _: Any) -> None:
+        self.stack.append(tuple(self.pop_mark()))
+
+    def list_mark(self, _: Any) -> None:
+        self.stack.append(self.pop_mark())
+
+    def dict_mark(self, _: Any) -> None:
+        self.stack.append(_pairs(self.pop_mark()))
+
+    def frozenset_mark(self, _: Any) -> None:
+        self.pop_mark()
+        self.stack.append(_Set())
+
+    def append(self, _: Any) -> None:
+        value = self.stack.pop()
+        self._target(list).append(value)
+
+    def appends(self, _: Any) -> None:
+        items = self.pop_mark()
+        self._target(list).extend(items)
+
+    def setitem(self, _: Any) -> None:
+        items = self.stack[-2:]
+        del self.stack[-2:]
+        self._target(_Dict).extend(_pairs(items))
+
+    def setitems(self, _: Any) -> None:
+        items = self.pop_mark()
+        self._target(_Dict).extend(_pairs(items))
+
+    def additems(self, _: Any) -> None:
+        self.pop_mark()
+        self._target(_Set)
+
+    def global_(self, arg: str) -> None:
+        module, _, name = arg.partition(" ")
+        self.stack.append(_find_global(module, name))
+
+    def stack_global(self, _: Any) -> None:
+        name, module = self.stack.pop(), self.stack.pop()
+        if type(module) is not str or type(name) is not str:
+            raise _Malformed("STACK_GLOBAL of non-strings")
+        self.stack.append(_find_global(module, name))
+
+    def inst(self, arg: str) -> None:
+        module, _, name = arg.partition(" ")
+        func = _find_global(module, name)
+        self.stack.append(self._call(func, tuple(self.pop_mark())))
+
+    def obj(self, _: Any) -> None:
+        items = self.pop_mark()
+        self.stack.append(self._call(items[0], tuple(items[1:])))
+
+    def reduce(self, _: Any) -> None:  # also NEWOBJ: cls.__new__(cls, *args) of a stub is its call
+        args = self.stack.pop()
+        self.stack.append(self._call(self.stack.pop(), args))
+
+    def newobj_ex(self, _: Any) -> None:
+        self.stack.pop()  # keyword arguments: no allow-listed callable takes any
+        self.reduce(None)
+
+    def build(self, _: Any) -> None:
+        self.stack.pop()  # the state (OrderedDict._metadata): stubs keep no attributes
+        if not self.stack:
+            raise _Malformed("BUILD without an object")
+
+    def binpersid(self, _: Any) -> None:
+        pid = self.stack.pop()
+        if (type(pid) is not tuple or len(pid) < 3 or type(pid[0]) is not str or pid[0] != "storage"
+                or type(pid[1]) is not _StorageType or type(pid[2]) is not str):
+            raise _Malformed("unsupported persistent id")
+        self.stack.append(_Storage(pid[2], pid[1].dtype))
+
+    def _target(self, kind: type) -> Any:
+        target = self.stack[-1]
+        if type(target) is not kind:
+            raise _Malformed(f"{kind.__name__} opcode on a {type(target).__name__}")
+        return target
+
+    def _call(self, func: Any, args: Any) -> Any:
+        """REDUCE and friends: only stubs are callable, and each builds an inert value."""
+        if type(func) is not _Func or type(args) is not tuple:
+            raise _Malformed(f"call of a {type(func).__name__} on a {type(args).__name__}")
+        kind = func.kind
+        if kind == "rebuild_v2" and len(args) >= 4:
+            storage = args[0]
+            dtype = storage.dtype if type(storage) is _Storage else ""
+            return self._new_tensor(storage, args[1], args[2], args[3], dtype)
+        if kind == "rebuild_v3" and len(args) >= 7 and type(args[6]) is _DType:
+            return self._new_tensor(args[0], args[1], args[2], args[3], args[6].name)
+        if kind == "parameter" and args:
+            return args[0]
+        if kind == "size" and not args:
+            return ()
+        if kind == "size" and len(args) == 1 and type(args[0]) in (tuple, list):
+            self.budget.spend(len(args[0]))
+            return tuple(args[0])
+        if kind == "dict" and not args:
+            return _Dict()
+        if kind == "dict" and len(args) == 1 and type(args[0]) is list:  # OrderedDict([(k, v)])
+            pairs = args[0]
+            self.budget.spend(len(pairs))
+            if not all(type(p) is tuple and len(p) == 2 for p in pairs):
+                raise _Malformed("OrderedDict of non-pairs")
+            return _Dict(x for p in pairs for x in p)
+        if kind == "set":
+            return _Set()
+        if kind == "opaque":
+            return _OPAQUE
+        raise _Malformed(f"bad arguments to {kind}")
+
+    def _new_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, dtype: str) -> _Tensor:
+        if (type(storage) is not _Storage or dtype not in _ITEMSIZE or type(size) is not tuple
+                or type(stride) is not tuple or len(size) != len(stride)):
+            raise _Malformed("bad tensor rebuild arguments")
+        self.budget.spend(2 * len(size))  # a shared shape may be reused: charge each copy
         tensor = _Tensor(storage, _nonneg(offset), tuple(_nonneg(x) for x in size),
                          tuple(_nonneg(x) for x in stride), dtype, len(self.created))
         self.created.append(tensor)
         return tensor
 
-    @staticmethod
-    def _rebuild_parameter(data, _requires_grad, _hooks, _state=None) -> Any:
-        return data
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils":
-            table = {"_rebuild_tensor_v2": self._rebuild_v2, "_rebuild_tensor_v3": self._rebuild_v3,
-                     "_rebuild_parameter": self._rebuild_parameter,
-                     "_rebuild_parameter_with_state": self._rebuild_parameter}
-            if name in table:
-                return table[name]
-        elif module in ("torch", "torch.storage") and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        elif module == "torch":
-            if name in _ITEMSIZE:  # dtypes pickle by canonical name, e.g. torch.bfloat16
-                return _DType(name)
-            if name == "Size":
-                return tuple
-            if name == "device":
-                return lambda *args: "device" + repr(args)
-        elif module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        elif module in ("builtins", "__builtin__") and name in ("set", "frozenset", "slice"):
-            return {"set": set, "frozenset": frozenset, "slice": slice}[name]
-        elif module == "_codecs" and name == "encode":
-            return _latin1_encode
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
-
-    def persistent_load(self, pid: Any) -> _Storage:
-        if (not isinstance(pid, tuple) or len(pid) < 3 or pid[0] != "storage"
-                or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str)):
-            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r:.80}")
-        return _Storage(pid[2], pid[1].dtype)
+def _pairs(items: list[Any]) -> _Dict:
+    if len(items) % 2:
+        raise _Malformed("odd number of dict items")
+    return _Dict(items)
 
 
-def _collect(root: Any) -> list[tuple[str, _Tensor]]:
+def _constant(value: Any) -> Callable[[_PickleMachine, Any], None]:
+    return lambda machine, _: machine.stack.append(value)
+
+
+_M = _PickleMachine
+# Every opcode of protocols 0-5 but EXT1/2/4, PERSID, NEXT_BUFFER and READONLY_BUFFER (and STOP,
+# which run() handles): torch.save writes protocol 2, other savers may write any.
+_OPCODES: dict[str, Callable[[_PickleMachine, Any], Any]] = {
+    **dict.fromkeys(("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT",
+                     "BINFLOAT", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
+                     "SHORT_BINBYTES", "BINBYTES", "BINBYTES8"), _M.push),
+    **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING"), _M.push_py2_string),
+    "BYTEARRAY8": lambda m, arg: m.stack.append(bytearray(arg)),
+    "NONE": _constant(None), "NEWTRUE": _constant(True), "NEWFALSE": _constant(False),
+    "EMPTY_TUPLE": _constant(()),
+    "EMPTY_LIST": lambda m, _: m.stack.append([]),
+    "EMPTY_DICT": lambda m, _: m.stack.append(_Dict()),
+    "EMPTY_SET": lambda m, _: m.stack.append(_Set()),
+    "PROTO": _M.ignore, "FRAME": _M.ignore,
+    "MARK": _M.mark, "POP": _M.pop, "POP_MARK": _M.pop_mark, "DUP": _M.dup,
+    "PUT": _M.put, "BINPUT": _M.put, "LONG_BINPUT": _M.put, "MEMOIZE": _M.memoize,
+    "GET": _M.get, "BINGET": _M.get, "LONG_BINGET": _M.get,
+    "TUPLE": _M.tuple_mark, "TUPLE1": lambda m, _: m.tuple_n(1),
+    "TUPLE2": lambda m, _: m.tuple_n(2), "TUPLE3": lambda m, _: m.tuple_n(3),
+    "LIST": _M.list_mark, "DICT": _M.dict_mark,
+    "FROZENSET": _M.frozenset_mark,
+    "APPEND": _M.append, "APPENDS": _M.appends, "SETITEM": _M.setitem, "SETITEMS": _M.setitems,
+    "ADDITEMS": _M.additems,
+    "GLOBAL": _M.global_, "STACK_GLOBAL": _M.stack_global, "INST": _M.inst, "OBJ": _M.obj,
+    "REDUCE": _M.reduce, "NEWOBJ": _M.reduce, "NEWOBJ_EX": _M.newobj_ex, "BUILD": _M.build,
+    "BINPERSID": _M.binpersid,
+}
+del _M
+
+
+def _name_part(key: Any) -> str | None:
+    """A str or int key names itself; any other key (a tuple, bytes...) is named by its position,
+    so the walk never formats a value of unbounded cost."""
+    if type(key) is str:
+        return key
+    if type(key) in (int, bool) and -_I64 <= key < _I64:
+        return str(key)
+    return None
+
+
+def _dict_items(d: _Dict) -> list[tuple[str, Any]]:
+    """(name, value) of a dict in insertion order; a repeated key keeps its first place and its
+    last value, as dict does."""
+    items: list[tuple[str, Any]] = []
+    where: dict[str | int, int] = {}
+    for i in range(0, len(d), 2):
+        key, value = d[i], d[i + 1]
+        part = _name_part(key)
+        if part is None:
+            items.append((f"#{i // 2}", value))
+        elif key in where:
+            items[where[key]] = (items[where[key]][0], value)
+        else:
+            where[key] = len(items)
+            items.append((part, value))
+    return items
+
+
+def _collect(root: Any, budget: _Budget) -> list[tuple[str, _Tensor]]:
     """Name every tensor stub reachable from root by its dotted container path.
 
-    Shared objects are visited once per path (tied weights get both names);
-    cycles are cut and a node budget stops DAG-shaped blow-ups."""
+    Shared objects are visited once per path (tied weights get both names); cycles are cut, and
+    the budget (one unit per step and per character of a name) stops DAG-shaped blow-ups."""
     found: list[tuple[str, _Tensor]] = []
     active: set[int] = set()
-    budget = [_MAX_WALK_NODES]
+    path: list[str] = []
 
-    def visit(obj: Any, path: str, depth: int) -> None:
-        budget[0] -= 1
-        if budget[0] < 0 or depth > _MAX_DEPTH:
-            raise _Malformed("object graph too large or too deep")
-        if isinstance(obj, _Tensor):
-            found.append((path, obj))
+    def visit(obj: Any, depth: int, name_len: int) -> None:
+        budget.spend()
+        if depth > _MAX_DEPTH:
+            raise _GaveUp("object graph too deep")
+        kind = type(obj)
+        if kind is _Tensor:
+            budget.spend(_ENTRY_COST + name_len)  # before the join: a long key may recur per level
+            found.append((".".join(path), obj))
             return
-        if isinstance(obj, dict):
-            items = [(str(k), v) for k, v in obj.items()]
-        elif isinstance(obj, (list, tuple)):
-            items = [(str(i), v) for i, v in enumerate(obj)]
-        else:
-            return  # scalars, strings, None, sets (unordered: no stable names)
+        if kind is not _Dict and kind is not list and kind is not tuple:
+            return  # scalars, strings, None, stubs, sets (unordered: no stable names)
         if id(obj) in active:
             return
+        items = _dict_items(obj) if kind is _Dict else [(str(i), v) for i, v in enumerate(obj)]
         active.add(id(obj))
-        for key, value in items:
-            visit(value, f"{path}.{key}" if path else key, depth + 1)
+        for part, value in items:
+            path.append(part)
+            visit(value, depth + 1, name_len + len(part) + 1)
+            path.pop()
         active.discard(id(obj))
 
-    visit(root, "", 0)
+    visit(root, 0, 0)
     return found
 
 
@@ -430,26 +704,33 @@ def _build_torch(read_at: ReadAt, size: int) -> TensorIndex:
     if pkl is None:
         raise _Malformed(f"no {root}/data.pkl")
     if pkl.length > _MAX_PICKLE:
-        raise _Malformed("data.pkl too large")
-    unpickler = _StubUnpickler(_read_exact(read_at, pkl.offset, pkl.length))
-    obj = unpickler.load()
-    named = _collect(obj)
+        raise _GaveUp(f"data.pkl of {pkl.length} bytes is over the {_MAX_PICKLE} byte limit")
+    data = _read_exact(read_at, pkl.offset, pkl.length)
+    machine = _PickleMachine(data)
+    named = _collect(machine.run(), _Budget(len(data), _WALK_PER_BYTE, _MAX_WALK))
     named.sort(key=lambda item: item[1].seq)  # stable: pickle order, then walk order
+    spans: dict[int, tuple[int, int]] = {}  # by seq: once per tensor, however many names it has
     tensors = []
     for name, t in named:
-        rec = by_name.get(f"{root}/data/{t.storage.key}")
-        if rec is None:
-            raise _Malformed(f"storage {t.storage.key} missing")
-        itemsize = _ITEMSIZE[t.dtype]
-        start = rec.offset + t.storage_offset * itemsize
-        length = 0
-        if all(t.shape):
-            length = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride))) * itemsize
-            if start + length > rec.offset + rec.length:
-                raise _Malformed(f"tensor {name} overruns storage {t.storage.key}")
-        tensors.append(TensorEntry(name, t.dtype, t.shape, t.stride, t.storage.key,
-                                   start, length))
+        if t.seq not in spans:
+            spans[t.seq] = _tensor_span(t, by_name, f"{root}/data/")
+        tensors.append(TensorEntry(name, t.dtype, t.shape, t.stride, t.storage.key, *spans[t.seq]))
     return TensorIndex("torch-zip", tuple(records), tuple(tensors), size, cd_offset)
+
+
+def _tensor_span(t: _Tensor, by_name: dict[str, Record], prefix: str) -> tuple[int, int]:
+    """(file offset, length) of the bytes a tensor view covers in its storage record."""
+    rec = by_name.get(prefix + t.storage.key)
+    if rec is None:
+        raise _Malformed(f"storage {t.storage.key:.80} missing")
+    itemsize = _ITEMSIZE[t.dtype]
+    start = rec.offset + t.storage_offset * itemsize
+    length = 0
+    if all(t.shape):
+        length = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride))) * itemsize
+        if start + length > rec.offset + rec.length:
+            raise _Malformed(f"tensor {t.seq} overruns storage {t.storage.key:.80}")
+    return start, length
 
 
 def _build_safetensors(read_at: ReadAt, size: int) -> TensorIndex:
@@ -484,28 +765,36 @@ def _build_safetensors(read_at: ReadAt, size: int) -> TensorIndex:
     return TensorIndex("safetensors", (Record("header", 0, base),), tuple(tensors), size, 0)
 
 
-def build_index(read_at: ReadAt, size: int) -> TensorIndex | None:
-    """Detect torch-zip or safetensors from the bytes and index it; else None."""
+def build_index(read_at: ReadAt, size: int, name: str = "") -> TensorIndex | None:
+    """Detect torch-zip or safetensors from the bytes and index it; else None.
+
+    Blocking, and bounded by the file's size (see _Budget): run it in a worker thread. `name`
+    only labels the warning logged when a checkpoint is too costly to index."""
+    label = name or f"a file of {size} bytes"
     try:
         head = _read_exact(read_at, 0, min(size, 9))
         if head[:4] == b"PK\x03\x04":
             return _build_torch(read_at, size)
         if head[8:9] == b"{":
             return _build_safetensors(read_at, size)
-        log.debug("no tensor index: unrecognised format (size %d)", size)
+        log.debug("no tensor index for %s: unrecognised format", label)
+    except _GaveUp as e:
+        log.warning("no tensor index for %s, stored without one: %s", label, e)
     except Exception as e:  # a hint must never break an import or a write
-        log.debug("no tensor index: %s: %s", type(e).__name__, e)
+        log.debug("no tensor index for %s: %s: %.200s", label, type(e).__name__, e)
     return None
 
 
-def index_file(path: str | os.PathLike) -> TensorIndex | None:
-    """Index a file on disk with os.pread; unreadable files also give None."""
+def index_file(path: str | os.PathLike, name: str = "") -> TensorIndex | None:
+    """Index a file on disk with os.pread; unreadable files also give None. `name` labels the
+    logs (default: the path)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
-        log.debug("no tensor index for %s: %s", path, e)
+        log.debug("no tensor index for %s: %s", name or path, e)
         return None
     try:
-        return build_index(lambda off, n: os.pread(fd, n, off), os.fstat(fd).st_size)
+        return build_index(lambda off, n: os.pread(fd, n, off), os.fstat(fd).st_size,
+                           name or os.fspath(path))
     finally:
         os.close(fd)

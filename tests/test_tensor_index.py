@@ -1,8 +1,10 @@
 """Tests for cpfs.tensor_index against real torch.save / safetensors files."""
 from __future__ import annotations
 
+import collections
 import io
 import json
+import logging
 import os
 import pickle
 import random
@@ -392,3 +394,170 @@ def test_indexing_does_not_import_torch(torch_ckpt) -> None:
             "assert 'torch' not in sys.modules and 'safetensors' not in sys.modules")
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+
+
+def test_every_pickle_protocol_indexes_the_same(tmp_path: Path) -> None:
+    """Protocols 1-5 use different opcodes (LONG vs LONG1, GLOBAL vs STACK_GLOBAL, sets as REDUCE
+    vs EMPTY_SET/ADDITEMS, MEMOIZE, FRAME...): all must give the same tensors."""
+    t = torch.randn(4, 3)
+    obj = {"w": t, "v": t[1:], 7: [t, (1.5, 2**70, -5, None, True)], "s": {1, 2},
+           "f": frozenset({3}), "b": b"xx", "od": collections.OrderedDict(a=torch.arange(5))}
+    seen = []
+    for protocol in range(1, 6):
+        path = tmp_path / f"p{protocol}.pt"
+        torch.save(obj, path, pickle_protocol=protocol)
+        index = index_file(path)
+        assert index is not None, protocol
+        data, expected = path.read_bytes(), _flatten(obj)
+        for entry in index.tensors:
+            _check_tensor(data, entry, expected[entry.name])
+        seen.append([(e.name, e.storage_key, e.shape, e.stride, e.length) for e in index.tensors])
+    assert sorted(n for n, *_ in seen[0]) == ["7.0", "od.a", "v", "w"]
+    assert all(s == seen[0] for s in seen)
+
+
+# --- crafted files: shared references in the pickle memo -----------------------------------------
+# Pickle memoizes by identity, so t = (t, t) sixty times over is a few hundred bytes; hashing,
+# repr() or str() of it visits 2**60 nodes. The C unpickler hashes dict keys and set members, so
+# the old indexer froze the daemon (with the GIL held) on such a file. These checks run the indexer
+# in a subprocess with a timeout and a memory limit, so a regression fails instead of hanging.
+
+class _StorageRef:
+    """Stands for a storage in a hand-made data.pkl (see _CraftPickler)."""
+
+
+class _TensorRef:
+    """A float32 tensor of 4 elements over _StorageRef, pickled as torch.save pickles a tensor."""
+
+    def __init__(self, storage: _StorageRef) -> None:
+        self.storage = storage
+
+    def __reduce__(self):
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, (4,), (1,), False, collections.OrderedDict()))
+
+
+class _Reduced:
+    """Pickles as func(*args), plus dict items; the test process never builds (or hashes) it."""
+
+    def __init__(self, func: object, args: tuple, items: list | None = None) -> None:
+        self.func, self.args, self.items = func, args, items
+
+    def __reduce__(self):
+        return (self.func, self.args, None, None, iter(self.items) if self.items else None)
+
+
+class _CraftPickler(pickle.Pickler):
+    def persistent_id(self, obj: object):
+        if isinstance(obj, _StorageRef):
+            return ("storage", torch.FloatStorage, "0", "cpu", 4)
+        return None
+
+
+def _shared_tuple(depth: int = 60) -> tuple:
+    t: tuple = ()
+    for _ in range(depth):
+        t = (t, t)
+    return t
+
+
+def _shared_lists(leaf: object, depth: int = 60) -> list:
+    node = [leaf]
+    for _ in range(depth):
+        node = [node, node]
+    return node
+
+
+_PAYLOAD = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+def _crafted_pt(path: Path, extra: object = None, raw_pickle: bytes | None = None) -> Path:
+    """A minimal torch zip: {"w": a tensor, "extra": extra}, or a given data.pkl."""
+    if raw_pickle is None:
+        buf = io.BytesIO()
+        _CraftPickler(buf, protocol=2).dump({"w": _TensorRef(_StorageRef()),
+                                             "extra": extra})
+        raw_pickle = buf.getvalue()
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("c/data.pkl", raw_pickle)
+        zf.writestr("c/byteorder", "little")
+        zf.writestr("c/data/0", _raw(_PAYLOAD))
+        zf.writestr("c/version", "3\n")
+    return path
+
+
+def test_crafted_checkpoint_is_a_real_one(tmp_path: Path) -> None:
+    """The crafting helper makes what torch.load reads; the bombs below only add to it."""
+    path = _crafted_pt(tmp_path / "clean.pt", extra={"k": 1})
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["w"], _PAYLOAD) and loaded["extra"] == {"k": 1}
+    index = index_file(path)
+    assert index is not None and [t.name for t in index.tensors] == ["w"]
+    _check_tensor(path.read_bytes(), index.tensors[0], _PAYLOAD)
+
+
+_PROBE = """
+import json, logging, resource, sys, time, tracemalloc
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from cpfs.tensor_index import index_file
+tracemalloc.start()
+start = time.process_time()
+index = index_file(sys.argv[1])
+print(json.dumps({"cpu": time.process_time() - start, "peak": tracemalloc.get_traced_memory()[1],
+                  "names": None if index is None else [t.name for t in index.tensors]}))
+"""
+
+
+def _probe(path: Path) -> tuple[dict, str]:
+    """Index `path` in a subprocess; (its CPU time, peak traced memory, tensor names), stderr."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(path)], cwd=root, capture_output=True,
+                           text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"indexing {path.name} ({path.stat().st_size} bytes) did not finish in 60 s")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), r.stderr
+
+
+@pytest.mark.parametrize("bomb", ["dict_key", "set_member", "device_arg"])
+def test_shared_memo_bombs_index_in_bounded_time(tmp_path: Path, bomb: str) -> None:
+    shared = _shared_tuple()
+    extra = {
+        "dict_key": _Reduced(collections.OrderedDict, (), [(shared, _TensorRef(_StorageRef()))]),
+        "set_member": _Reduced(set, ([shared],)),
+        "device_arg": _Reduced(torch.device, (shared,)),
+    }[bomb]
+    path = _crafted_pt(tmp_path / f"{bomb}.pt", extra)
+    assert path.stat().st_size < 2048
+    result, _ = _probe(path)
+    assert result["cpu"] < 5 and result["peak"] < 16 << 20, result
+    # The real tensor is indexed; a key that is neither str nor int is named by its position.
+    assert result["names"] == (["w", "extra.#0"] if bomb == "dict_key" else ["w"])
+
+
+def test_exponential_walk_gives_up_with_one_warning(tmp_path: Path) -> None:
+    """A tensor reachable by 2**60 container paths: the file is left unindexed, and says so."""
+    path = _crafted_pt(tmp_path / "paths.pt", _shared_lists(_TensorRef(_StorageRef())))
+    result, stderr = _probe(path)
+    assert result["names"] is None and result["cpu"] < 5 and result["peak"] < 64 << 20, result
+    warnings = [line for line in stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and str(path) in warnings[0] and "budget" in warnings[0], stderr
+
+
+def test_memo_index_bomb_allocates_little(tmp_path: Path) -> None:
+    """LONG_BINPUT 2**24 in a 9-byte pickle: the C unpickler sized its memo by it (256 MiB)."""
+    path = _crafted_pt(tmp_path / "memo.pt", raw_pickle=b"\x80\x02}r\x00\x00\x00\x01.")
+    result, _ = _probe(path)
+    assert result["names"] == [] and result["peak"] < 16 << 20, result
+
+
+def test_unsupported_opcode_gives_none_with_a_warning(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    path = _crafted_pt(tmp_path / "ext.pt", raw_pickle=b"\x80\x02\x82\x01.")  # EXT1 1
+    with caplog.at_level(logging.WARNING, logger="cpfs.tensor_index"):
+        assert index_file(path, name="/ckpt/ext.pt") is None
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "no tensor index for /ckpt/ext.pt, stored without one: "
+        "pickle opcode EXT1 is not interpreted"]
