@@ -1,136 +1,417 @@
-"""Manifests on the stores: commit, look up, list, remove.
+"""Manifests on the stores: every commit a new immutable version, with history, removal and restore.
 
-A manifest lives under a key derived from its path, on `replicas` stores chosen by placement; it is
-written after every chunk it names is durable, so no manifest ever points at missing chunks. Readers
-take the highest `version` among the copies they find, so a partially replicated commit still reads as
-either the old or the new file, never a mix.
+Layout: `manifests/<path hash>/<version:020d>.<writer>.<state>.json`, on the `replicas` stores that
+placement picks for the path hash, so one listing of one folder finds every version of a path.
+Invariants, and why:
+- Nothing is overwritten. A commit writes a new key after every chunk it names is durable; one that
+  fails below `write_quorum` deletes only its own new key. (Overwriting one key per path in place lost
+  the previous version on every store a failed commit had reached.)
+- The current version of a path is its highest (version, writer) whose state is not "failed"; if that
+  one is "deleted", the path does not exist. Key names alone decide it, so a refresh lists and then
+  reads only the summaries it has not seen (keys are immutable: summaries are cached by key), and a
+  summary is a ranged read of a manifest's first line, not its chunks and tensor index.
+- `version` is a counter: one more than the highest version of the path seen on any store (or
+  committed by this process). Clocks never order versions, so a host whose clock is behind still
+  commits newer ones; two commits of one version are ordered by writer id, and one of them wins whole.
+- Each path keeps its newest `keep_versions` ok versions, and failed or deleted ones newer than the
+  oldest of those (at most `keep_versions` failed ones); older manifests are retired (deleted). Their
+  chunks stay until a garbage collector frees them.
+Format-1 stores (one `manifests/<path hash>.json` per path, overwritten in place) are migrated to
+version keys when a full listing meets them.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+import secrets
+import socket
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
-from .errors import ManifestError, NoSuchObject, NotFound, StoreError
-from .manifest import Manifest, manifest_key
+from .errors import ManifestError, NoSuchObject, NotFound, StoreError, StoreUnavailable
+from .manifest import SUMMARY_MAX, Manifest, Summary, path_hash
 from .placement import place
 from .pool import StorePool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T", Manifest, Summary)
 PREFIX = "manifests/"
+WRITER_ID = secrets.token_hex(8)          # this process: breaks ties between commits of one version
+HOST = socket.gethostname()
+_KEY = re.compile(r"manifests/([0-9a-f]{40})/([0-9]{20})\.([0-9a-f]{0,32})\.(ok|failed|deleted)\.json")
+_LEGACY = re.compile(r"manifests/([0-9a-f]{40})\.json")
+_FETCHES = 32                             # summaries read at once by a full listing
+_KEEP_PARSED = 256                        # full manifests kept parsed (the namespace keeps its own)
 
 
-def new_version() -> int:
-    """Commit time in ns: later commits of a path win."""
-    return time.time_ns()
+@dataclass(frozen=True)
+class VersionRef:
+    """A version as its key names it: enough to order a path's versions without reading them."""
+    path_hash: str
+    version: int
+    writer: str
+    state: str
+    key: str
+
+    @property
+    def order(self) -> tuple[int, str]:
+        return (self.version, self.writer)
+
+    @classmethod
+    def parse(cls, key: str) -> "VersionRef | None":
+        m = _KEY.fullmatch(key)
+        return cls(m[1], int(m[2]), m[3], m[4], key) if m else None
+
+    @staticmethod
+    def key_of(h: str, version: int, writer: str, state: str) -> str:
+        return f"{PREFIX}{h}/{version:020d}.{writer}.{state}.json"
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One entry of a path's history (`cpfs log`): the manifest, or why it cannot be read."""
+    ref: VersionRef
+    summary: Summary | None
+    current: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A path whose current version no store can give us intact: listed, but EIO when opened."""
+    path: str
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CatalogStats:
+    listings: int           # folder listings sent to stores
+    fetched: int            # whole manifests read from stores
+    summaries: int          # summaries read from stores (ranged reads)
+    cached: int             # summaries kept (keys are immutable)
+    commits: int
+    failed_commits: int     # commits that did not reach write_quorum
+    retired: int            # old versions deleted
+
+
+def current_of(refs: list[VersionRef]) -> VersionRef | None:
+    """The version that is the path now (None: never committed), by key names alone."""
+    live = [r for r in refs if r.state != "failed"]
+    return max(live, key=lambda r: r.order) if live else None
 
 
 class Catalog:
-    def __init__(self, pool: StorePool) -> None:
+    def __init__(self, pool: StorePool, writer: str = WRITER_ID) -> None:
+        """`writer`: this committer's id (one per process; tests may act as several)."""
         self.pool = pool
+        self._cfg = pool.config
+        self._writer = writer
+        self._parsed: OrderedDict[str, Manifest] = OrderedDict()     # LRU of whole manifests
+        self._summaries: dict[str, Summary] = {}
+        self._highest: dict[str, int] = {}        # path hash -> highest version seen or committed here
+        self._listings = self._fetched = self._read_summaries = 0
+        self._commits = self._failed = self._retired = 0
 
-    async def commit(self, manifest: Manifest) -> None:
-        """Make `manifest` the current version of its path (on write_quorum stores at least)."""
-        key = manifest_key(manifest.path)
-        data = manifest.to_bytes()
-        targets = place(key, self.pool.names, self.pool.config.replicas)
-        done: list[str] = []
+    def statistics(self) -> CatalogStats:
+        return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
+                            cached=len(self._summaries), commits=self._commits, failed_commits=self._failed,
+                            retired=self._retired)
+
+    # -- reading ---------------------------------------------------------------------------------
+    async def _list(self, prefix: str) -> dict[str, list[str]]:
+        """key -> the stores that list it, over every store; fails only if no store answers."""
+        where: dict[str, list[str]] = {}
         errors: list[StoreError] = []
 
         async def one(name: str) -> None:
             try:
-                await self.pool.put(name, key, data)
-                done.append(name)
+                keys = await self.pool.list_keys(name, prefix)
             except StoreError as e:
+                log.warning("cannot list %s on store %r: %s", prefix, name, e)
                 errors.append(e)
+                return
+            for key in keys:
+                where.setdefault(key, []).append(name)
+
+        self._listings += len(self.pool.names)
+        async with trio.open_nursery() as n:
+            for name in self.pool.names:
+                n.start_soon(one, name)
+        if errors and len(errors) == len(self.pool.names):
+            raise errors[0]
+        return where
+
+    async def _fetch(self, key: str, names: Sequence[str]) -> Manifest:
+        """The whole manifest under `key` from the first store that has an intact copy."""
+        if key in self._parsed:
+            self._parsed.move_to_end(key)
+            return self._parsed[key]
+
+        async def read(name: str) -> Manifest:
+            data = await self.pool.get(name, key)
+            self._fetched += 1
+            # A 100 GB file's manifest is megabytes of JSON: parse it off the event loop.
+            return await trio.to_thread.run_sync(Manifest.from_bytes, data, f"store {name!r} {key}",
+                                                 limiter=self.pool.cpu)
+
+        m = await self._first_intact(key, names, read)
+        self._parsed[key] = m
+        while len(self._parsed) > _KEEP_PARSED:
+            self._parsed.popitem(last=False)
+        return m
+
+    async def _summary(self, key: str, names: Sequence[str]) -> Summary:
+        """The summary of the version under `key` (a ranged read of its first line)."""
+        s = self._summaries.get(key)
+        if s is None:
+            async def read(name: str) -> Summary:
+                data = await self.pool.get_range(name, key, 0, SUMMARY_MAX)
+                self._read_summaries += 1
+                return Summary.from_bytes(data, f"store {name!r} {key}")
+
+            s = self._summaries[key] = await self._first_intact(key, names, read)
+        return dataclasses.replace(s, key=key, stores=tuple(names))
+
+    async def _first_intact(self, key: str, names: Sequence[str], read: Callable[[str], Awaitable[T]]) -> T:
+        """read(name) over the stores until one gives a copy that parses and matches its key."""
+        problems = []
+        for name in names:
+            try:
+                m = await read(name)
+            except NoSuchObject as e:
+                problems.append(str(e))
+                continue
+            except (StoreError, ManifestError) as e:
+                log.warning("manifest %s on store %r unreadable: %s", key, name, e)
+                problems.append(str(e))
+                continue
+            ref = VersionRef.parse(key)
+            if ref is not None and (ref.version, ref.writer, ref.state) != (m.version, m.writer, m.state) \
+                    or path_hash(m.path) != key[len(PREFIX):len(PREFIX) + 40]:
+                problems.append(f"store {name!r} {key}: contents do not match the key")
+                log.warning("manifest %s on store %r does not match its key", key, name)
+                continue
+            return m
+        raise ManifestError(f"manifest {key}: no intact copy ({'; '.join(problems) or 'no store lists it'})")
+
+    async def manifest(self, s: Summary) -> Manifest:
+        """The whole manifest of a version a listing summarised (chunks, tensor index)."""
+        return await self._fetch(s.key, s.stores or self.pool.names)
+
+    async def _refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]]]:
+        h = path_hash(path)
+        where = await self._list(f"{PREFIX}{h}/")
+        refs = [r for r in map(VersionRef.parse, where) if r is not None]
+        if refs:
+            self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
+        return refs, where
+
+    async def current(self, path: str) -> Summary:
+        """The current version's summary; NotFound if there is none, ManifestError if unreadable."""
+        refs, where = await self._refs(path)
+        cur = current_of(refs)
+        if cur is None or cur.state == "deleted":
+            raise NotFound(f"no file {path!r}")
+        s = await self._summary(cur.key, where[cur.key])
+        if s.path != path:
+            raise ManifestError(f"manifest {cur.key} names {s.path!r}, not {path!r}")
+        return s
+
+    async def get(self, path: str) -> Manifest:
+        """The current version; NotFound if there is none, ManifestError if it cannot be read."""
+        return await self.manifest(await self.current(path))
+
+    async def history(self, path: str) -> list[VersionInfo]:
+        """Every kept version, newest first."""
+        refs, where = await self._refs(path)
+        cur = current_of(refs)
+        out: list[VersionInfo] = []
+        for r in sorted(refs, key=lambda r: r.order, reverse=True):
+            try:
+                out.append(VersionInfo(r, await self._summary(r.key, where[r.key]), r == cur))
+            except ManifestError as e:
+                out.append(VersionInfo(r, None, r == cur, str(e)))
+        return [i for i in out if i.summary is None or i.summary.path == path]
+
+    async def get_version(self, path: str, version: int) -> Manifest:
+        """One kept version (any state but deleted), e.g. for `cpfs cat --version`."""
+        for info in await self.history(path):
+            if info.ref.version == version and info.ref.state != "deleted":
+                if info.summary is None:
+                    raise ManifestError(f"{path} version {version}: {info.error}")
+                return await self.manifest(info.summary)
+        raise NotFound(f"{path}: no version {version} (see cpfs log {path})")
+
+    async def load_all(self) -> dict[str, Summary | Unreadable]:
+        """Every path that exists now -> its current version's summary (or Unreadable). Unreadable
+        stores are logged and skipped as long as some store answers."""
+        where = await self._list(PREFIX)
+        by_hash: dict[str, list[VersionRef]] = {}
+        legacy = []
+        for key in where:
+            r = VersionRef.parse(key)
+            if r is not None:
+                by_hash.setdefault(r.path_hash, []).append(r)
+            elif _LEGACY.fullmatch(key):
+                legacy.append(key)
+        for key in legacy:
+            r = await self._migrate(key, where)
+            if r is not None:
+                by_hash.setdefault(r.path_hash, []).append(r)
+        out: dict[str, Summary | Unreadable] = {}
+        limiter = trio.CapacityLimiter(_FETCHES)
+
+        async def one(h: str, refs: list[VersionRef]) -> None:
+            self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
+            cur = current_of(refs)
+            if cur is None or cur.state == "deleted":
+                return
+            async with limiter:
+                try:
+                    s = await self._summary(cur.key, where[cur.key])
+                    out[s.path] = s
+                    return
+                except ManifestError as e:
+                    reason = str(e)
+                # The path comes from an older version we can read, if any: the file is shown, and
+                # opening it says what is wrong, rather than the file silently going back in time.
+                for r in sorted(refs, key=lambda r: r.order, reverse=True):
+                    if r != cur:
+                        try:
+                            path = (await self._summary(r.key, where[r.key])).path
+                        except ManifestError:
+                            continue
+                        log.error("%s: current version unreadable, open gives EIO: %s", path, reason)
+                        out[path] = Unreadable(path, cur.key, reason)
+                        return
+                log.error("skipping a file whose only manifests are unreadable: %s", reason)
 
         async with trio.open_nursery() as n:
-            for name in targets:
-                n.start_soon(one, name)
-        if len(done) < self.pool.config.write_quorum:
+            for h, refs in by_hash.items():
+                n.start_soon(one, h, refs)
+        return out
+
+    async def _migrate(self, key: str, where: dict[str, list[str]]) -> VersionRef | None:
+        """Copy a format-1 manifest to its version key on the stores that hold it, then drop the old key."""
+        try:
+            m = await self._fetch(key, where[key])
+        except ManifestError as e:
+            log.error("format-1 manifest %s unreadable, left as it is: %s", key, e)
+            return None
+        new = dataclasses.replace(m, state="ok")
+        ref = VersionRef(path_hash(m.path), new.version, new.writer, "ok",
+                         VersionRef.key_of(path_hash(m.path), new.version, new.writer, "ok"))
+        try:
+            await self.pool.put_quorum(where[key], ref.key, new.to_bytes(), len(where[key]))
+        except StoreError as e:
+            log.warning("could not migrate format-1 manifest %s (kept as it is): %s", key, e)
+            self._parsed[ref.key] = new
+            self._summaries[ref.key] = new.summary
+            where[ref.key] = where[key]
+            return ref
+        for name in where[key]:
+            await self._delete_quietly(name, key)
+        log.info("migrated %s to %s", key, ref.key)
+        self._parsed[ref.key] = new
+        self._summaries[ref.key] = new.summary
+        where[ref.key] = where.pop(key)
+        return ref
+
+    # -- writing ---------------------------------------------------------------------------------
+    async def commit(self, manifest: Manifest) -> Manifest:
+        """Make `manifest` the path's new current version (its `version` is assigned here); returns what
+        was committed. Below write_quorum this raises the StoreError and every store still holds the
+        previous version as it was."""
+        return await self._commit(manifest, "ok", "")
+
+    async def commit_failed(self, manifest: Manifest, reason: str) -> Manifest:
+        """Record bytes that did not make a complete file: kept in the history, never current."""
+        return await self._commit(manifest, "failed", reason)
+
+    async def remove(self, path: str) -> None:
+        """A tombstone version: the path is gone, its history stays (restore brings it back)."""
+        try:
+            m = await self.get(path)
+        except ManifestError as e:       # an unreadable current version can still be removed
+            log.warning("%s: removing a file whose manifest is unreadable: %s", path, e)
+            m = Manifest(path=path, size=0, mtime_ns=0, mode=0o644, chunk_size=self._cfg.chunk_size,
+                         chunks=(), version=0)
+        await self._tombstone(m)
+
+    async def move(self, manifest: Manifest, path: str) -> Manifest:
+        """Commit `manifest` under a new path, then remove the old path. A crash in between leaves both
+        paths, never neither."""
+        moved = await self.commit(dataclasses.replace(manifest, path=path))
+        await self._tombstone(manifest)
+        return moved
+
+    async def restore(self, path: str, version: int) -> Manifest:
+        """Make an old version current again, as a new commit (so a restore is itself undoable)."""
+        old = await self.get_version(path, version)
+        return await self.commit(dataclasses.replace(old, reason=""))
+
+    async def _tombstone(self, m: Manifest) -> None:
+        await self._commit(dataclasses.replace(m, size=0, chunks=(), tensor_index=None), "deleted", "")
+
+    async def _commit(self, manifest: Manifest, state: str, reason: str) -> Manifest:
+        h = path_hash(manifest.path)
+        try:
+            refs, where = await self._refs(manifest.path)
+        except StoreError as e:
+            raise StoreUnavailable(e.store, f"cannot list the versions of {manifest.path}: {e.detail}") from None
+        version = max([r.version for r in refs] + [self._highest.get(h, 0)]) + 1
+        new = dataclasses.replace(manifest, version=version, writer=self._writer, host=HOST,
+                                  committed_ns=time.time_ns(), state=state, reason=reason)
+        ref = VersionRef(h, version, self._writer, state, VersionRef.key_of(h, version, self._writer, state))
+        targets = place(h, self.pool.names, self._cfg.replicas)
+        try:
+            held = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
+        except StoreError:
+            self._failed += 1
             # Below quorum the commit failed: take back the copies that landed, or a reader that finds
-            # one would see a version the writer was told did not commit.
+            # one would see a version the writer was told did not commit. Older versions are untouched.
             with trio.CancelScope(shield=True):
                 async with trio.open_nursery() as n:
-                    for name in done:
-                        n.start_soon(self._delete_quietly, name, key)
-            raise errors[0]
+                    for name in targets:
+                        n.start_soon(self._delete_quietly, name, ref.key)
+            raise
+        self._commits += 1
+        self._highest[h] = version
+        self._parsed[ref.key] = new
+        self._summaries[ref.key] = new.summary
+        where[ref.key] = held
+        await self._retire([*refs, ref], where)
+        return new
+
+    async def _retire(self, refs: list[VersionRef], where: dict[str, list[str]]) -> None:
+        """Delete versions beyond keep_versions (see the module doc). Best effort: a leftover old
+        version is only clutter, never current."""
+        keep = self._cfg.keep_versions
+        ok = failed = 0
+        doomed = []
+        for r in sorted(refs, key=lambda r: r.order, reverse=True):
+            if ok >= keep or (r.state == "failed" and failed >= keep):
+                doomed.append(r)
+            elif r.state == "ok":
+                ok += 1
+            elif r.state == "failed":
+                failed += 1
+        for r in doomed:
+            for name in where.get(r.key, []):
+                await self._delete_quietly(name, r.key)
+            self._parsed.pop(r.key, None)
+            self._summaries.pop(r.key, None)
+            self._retired += 1
 
     async def _delete_quietly(self, name: str, key: str) -> None:
         try:
             await self.pool.delete(name, key)
         except StoreError as e:
-            log.warning("could not take back manifest %s on store %r: %s", key, name, e)
-
-    async def _copies(self, key: str, names: list[str]) -> list[Manifest]:
-        found: list[Manifest] = []
-
-        async def one(name: str) -> None:
-            try:
-                data = await self.pool.get(name, key)
-                # A manifest of a 100 GB file is megabytes of JSON: parse it off the event loop.
-                found.append(await trio.to_thread.run_sync(Manifest.from_bytes, data, f"store {name!r} {key}",
-                                                           limiter=self.pool.cpu))
-            except NoSuchObject:
-                pass
-            except (StoreError, ManifestError) as e:
-                log.warning("manifest %s on store %r unreadable: %s", key, name, e)
-
-        async with trio.open_nursery() as n:
-            for name in names:
-                n.start_soon(one, name)
-        return found
-
-    async def get(self, path: str) -> Manifest:
-        copies = await self._copies(manifest_key(path), self.pool.names)
-        copies = [m for m in copies if m.path == path]
-        if not copies:
-            raise NotFound(f"no file {path!r}")
-        return max(copies, key=lambda m: m.version)
-
-    async def load_all(self) -> dict[str, Manifest]:
-        """Every committed file: path -> newest manifest. Unreadable stores or manifests are logged
-        and skipped, as long as some replica answers."""
-        where: dict[str, list[str]] = {}
-
-        async def scan(name: str) -> None:
-            try:
-                for key in await self.pool.stores[name].list(PREFIX):
-                    where.setdefault(key, []).append(name)
-            except StoreError as e:
-                log.warning("cannot list manifests on store %r: %s", name, e)
-
-        async with trio.open_nursery() as n:
-            for name in self.pool.names:
-                n.start_soon(scan, name)
-        out: dict[str, Manifest] = {}
-        limiter = trio.CapacityLimiter(32)
-
-        async def fetch(key: str, names: list[str]) -> None:
-            async with limiter:
-                for m in await self._copies(key, names):
-                    if m.path not in out or m.version > out[m.path].version:
-                        out[m.path] = m
-
-        async with trio.open_nursery() as n:
-            for key, names in where.items():
-                n.start_soon(fetch, key, names)
-        return out
-
-    async def remove(self, path: str) -> None:
-        """Delete every copy of a path's manifest (its chunks stay for other files that share them)."""
-        key = manifest_key(path)
-        await self.get(path)
-        async with trio.open_nursery() as n:
-            for name in self.pool.names:
-                n.start_soon(self.pool.delete, name, key)
-
-    async def move(self, manifest: Manifest, path: str) -> Manifest:
-        """Commit `manifest` under a new path (same chunks, new version), then drop the old path.
-        A crash in between leaves both paths, never neither."""
-        moved = dataclasses.replace(manifest, path=path, version=max(new_version(), manifest.version + 1))
-        await self.commit(moved)
-        await self.remove(manifest.path)
-        return moved
+            log.warning("could not delete %s on store %r: %s", key, name, e)

@@ -1,4 +1,4 @@
-"""The `cpfs` command: put, ls, inspect, cat, rm, mount.
+"""The `cpfs` command: put, ls, inspect, cat, rm, log, restore, mount.
 
 User errors print one line without a traceback: exit 2 for bad configuration, 1 for anything else.
 """
@@ -6,22 +6,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
 
 from . import daemon
 from .cache import ChunkCache
-from .catalog import Catalog
+from .catalog import Catalog, Unreadable
 from .config import Config, load_config
 from .errors import ConfigError, CpfsError, NotFound
 from .importer import Importer
-from .manifest import Manifest, normalize_path
+from .manifest import Summary, normalize_path
 from .pool import StorePool
 from .readahead import Scheduler
 from .tensor_index import TensorIndex
@@ -35,10 +37,25 @@ def _human(n: float) -> str:
     return str(n)
 
 
+_background: contextvars.ContextVar[trio.Nursery] = contextvars.ContextVar("cpfs_background")
+
+
+async def _run(command: Callable[[Config, argparse.Namespace], Awaitable[int]], config: Config,
+               args: argparse.Namespace) -> int:
+    """A command, with a nursery for the pool's background work (store health), cancelled at its end."""
+    async with trio.open_nursery() as n:
+        _background.set(n)
+        try:
+            return await command(config, args)
+        finally:
+            n.cancel_scope.cancel()
+
+
 async def _open(config: Config) -> tuple[StorePool, Catalog]:
     """The stores, checked before anything is read or written."""
     pool = StorePool(config)
     await pool.check()
+    await _background.get().start(pool.run)
     return pool, Catalog(pool)
 
 
@@ -67,7 +84,8 @@ async def cmd_put(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-def _children(manifests: dict[str, Manifest], path: str) -> tuple[list[str], list[Manifest]]:
+def _children(manifests: dict[str, Summary | Unreadable],
+              path: str) -> tuple[list[str], list[Summary | Unreadable]]:
     prefix = "/" if path == "/" else path + "/"
     dirs, files = set(), []
     for p, m in manifests.items():
@@ -93,9 +111,16 @@ async def cmd_ls(config: Config, args: argparse.Namespace) -> int:
     for d in dirs:
         print(f"{'-':>12}  {'':19}  {d}/")
     for m in files:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.mtime_ns / 1e9))
-        print(f"{m.size:>12}  {when}  {m.path.rsplit('/', 1)[1]}")
+        name = m.path.rsplit('/', 1)[1]
+        if isinstance(m, Unreadable):
+            print(f"{'?':>12}  {'(unreadable manifest)':19}  {name}")
+            continue
+        print(f"{m.size:>12}  {_when(m.mtime_ns)}  {name}")
     return 0
+
+
+def _when(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
 
 
 async def cmd_inspect(config: Config, args: argparse.Namespace) -> int:
@@ -107,7 +132,8 @@ async def cmd_inspect(config: Config, args: argparse.Namespace) -> int:
             per_store[s] = per_store.get(s, 0) + 1
     index = TensorIndex.from_json(m.tensor_index) if m.tensor_index else None
     if args.json:
-        doc = json.loads(m.to_bytes())
+        head, body = m.to_bytes().split(b"\n")
+        doc = {**json.loads(head), **json.loads(body)}
         doc["chunks_per_store"] = per_store
         doc["compression_ratio"] = m.size / m.stored_bytes if m.stored_bytes else 1.0
         print(json.dumps(doc, indent=1))
@@ -134,7 +160,8 @@ async def cmd_inspect(config: Config, args: argparse.Namespace) -> int:
 
 async def cmd_cat(config: Config, args: argparse.Namespace) -> int:
     pool, catalog = await _open(config)
-    m = await catalog.get(normalize_path(args.path))
+    path = normalize_path(args.path)
+    m = await (catalog.get(path) if args.version is None else catalog.get_version(path, args.version))
     sched = Scheduler(ChunkCache(max(config.readahead_max * 2, 8 * config.chunk_size)), pool.fetch_chunk, config)
     out = sys.stdout.buffer
     async with trio.open_nursery() as n:
@@ -163,6 +190,41 @@ async def cmd_rm(config: Config, args: argparse.Namespace) -> int:
     for p in targets:
         await catalog.remove(p)
         print(f"removed {p}")
+    return 0
+
+
+async def cmd_log(config: Config, args: argparse.Namespace) -> int:
+    """The kept versions of a path, newest first: what happened to it (commits, failed saves, removal)."""
+    _, catalog = await _open(config)
+    path = normalize_path(args.path)
+    infos = await catalog.history(path)
+    if not infos:
+        raise NotFound(f"{path}: no versions (never committed, or retired)")
+    rows = []
+    for i in infos:
+        m = i.summary
+        rows.append({"version": i.ref.version, "time": m.committed_ns if m else None,
+                     "size": m.size if m else None, "host": m.host if m else None, "writer": i.ref.writer,
+                     "state": i.ref.state if m else "unreadable", "reason": m.reason if m else i.error,
+                     "current": i.current})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'':1} {'version':>20}  {'committed':19}  {'size':>14}  {'state':8}  host / writer")
+    for r in rows:
+        when = _when(r["time"]) if r["time"] else "-"
+        size = "-" if r["size"] is None else str(r["size"])
+        print(f"{'*' if r['current'] else ' '} {r['version']:>20}  {when:19}  {size:>14}  {r['state']:8}  "
+              f"{r['host'] or '-'} / {r['writer'] or '-'}{'  ' + r['reason'] if r['reason'] else ''}")
+    return 0
+
+
+async def cmd_restore(config: Config, args: argparse.Namespace) -> int:
+    _, catalog = await _open(config)
+    path = normalize_path(args.path)
+    m = await catalog.restore(path, args.version)
+    print(f"restored {path} to the content of version {args.version} as version {m.version} "
+          f"({m.size} bytes); undo with: cpfs restore {path} <previous version>")
     return 0
 
 
@@ -196,6 +258,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("cat", parents=[common], help="write a file's verified bytes to stdout")
     s.add_argument("path")
+    s.add_argument("--version", type=int, help="an older kept version (see cpfs log)")
+    s = sub.add_parser("log", parents=[common], help="the kept versions of a file, newest first")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("restore", parents=[common], help="make an older version current (a new commit)")
+    s.add_argument("path")
+    s.add_argument("version", type=int)
     s = sub.add_parser("rm", parents=[common], help="remove a file (or, with -r, a folder)")
     s.add_argument("path")
     s.add_argument("-r", "--recursive", action="store_true")
@@ -208,7 +277,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"put": cmd_put, "ls": cmd_ls, "inspect": cmd_inspect, "cat": cmd_cat, "rm": cmd_rm}
+COMMANDS = {"put": cmd_put, "ls": cmd_ls, "inspect": cmd_inspect, "cat": cmd_cat, "rm": cmd_rm,
+            "log": cmd_log, "restore": cmd_restore}
 
 
 def _leaves(e: BaseException) -> list[BaseException]:
@@ -240,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mount":
             return cmd_mount(config, args)
         logging.basicConfig(level=logging.WARNING, format="cpfs: %(levelname)s: %(message)s")
-        return trio.run(COMMANDS[args.command], config, args)
+        return trio.run(_run, COMMANDS[args.command], config, args)
     except (CpfsError, BrokenPipeError, BaseExceptionGroup) as e:
         leaves = _leaves(e)
         if all(isinstance(leaf, BrokenPipeError) for leaf in leaves):

@@ -11,8 +11,11 @@ import errno
 import fcntl
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +26,7 @@ import trio
 from .cache import ChunkCache
 from .catalog import Catalog
 from .config import Config, staging_dir
-from .errors import CpfsError
+from .errors import ConfigError, CpfsError
 from .fs import CpfsOperations
 from .namespace import Namespace
 from .pool import StorePool
@@ -90,6 +93,7 @@ def make_pusher(limiter: trio.CapacityLimiter):
 
 
 async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
+    check_staging_place(config, staging_dir(config))     # before any store work (prepare_staging checks again)
     pool = StorePool(config)
     await pool.check()
     catalog = Catalog(pool)
@@ -98,13 +102,13 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     cache = ChunkCache(config.cache_memory)
     pusher = make_pusher(trio.CapacityLimiter(2)) if config.notify_store else None
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher)
-    staging = await trio.to_thread.run_sync(prepare_staging, staging_dir(config))
+    staging = await trio.to_thread.run_sync(prepare_staging, config)
     ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"}
     try:
         pyfuse3.init(ops, str(mountpoint), options)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_staging(staging)
         raise
     try:
         async with trio.open_nursery() as n:
@@ -125,48 +129,118 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
                         pyfuse3.terminate()
                         return
 
+            await n.start(pool.run)          # store health: probes stores marked down until they answer
             n.start_soon(announce)
             n.start_soon(on_signal)
             await pyfuse3.main(min_tasks=4, max_tasks=config.max_tasks)
             n.cancel_scope.cancel()
     finally:
         pyfuse3.close(unmount=True)
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_staging(staging)
         log.info("unmounted %s; cache %s; scheduler %s", mountpoint, cache.statistics(), sched.statistics())
 
 
-_staging_lock: int | None = None       # held open (and flock'ed) for the daemon's life
+# Staging. The staging folder may be shared (/scratch, a folder beside other tools' data): cpfs works in
+# a folder of its own per daemon, `cpfs-<pid>-<random>`, marked by STAGING_MARKER (written and flock'ed
+# before it gets its name, so no folder is ever marked and unlocked while its daemon lives) and removes
+# only such folders whose lock no live daemon holds. Anything else there is not cpfs's to delete.
+STAGING_MARKER = ".cpfs-staging"
+_MARKER_TEXT = b"cpfs staging folder: removed by the next mount once its daemon is gone\n"
+_OWN_FOLDER = re.compile(r"cpfs-[0-9]+-[0-9a-f]{8}")
+_staging_lock: int | None = None       # the marker of this daemon's folder, held open and flock'ed for its life
 
 
-def _held(folder: Path) -> bool:
-    """Whether a live daemon holds this staging folder's lock (a killed one, even a zombie, does not)."""
+def check_staging_place(config: Config, staging: Path) -> None:
+    """Refuse a staging folder inside a store's folder or holding one (or being one): leftovers are
+    removed from it, and a store's keys are its files. ConfigError naming mount.staging and the store."""
+    here = Path(os.path.realpath(staging))
+    what = f"{staging}" + ("" if config.staging is not None else " (the default)")
+    for s in config.stores:
+        if s.path is None:
+            continue
+        there = Path(os.path.realpath(s.path))
+        if here == there:
+            how = "is the folder of"
+        elif here.is_relative_to(there):
+            how = "is inside the folder of"
+        elif there.is_relative_to(here):
+            how = "holds the folder of"
+        else:
+            continue
+        raise ConfigError(f"{config.source}: mount.staging: {what} {how} store {s.name!r} ({s.path}); "
+                          f"set mount.staging to a folder outside every store")
+
+
+def _remove_if_dead(folder: Path) -> None:
+    """Remove `folder` if it is a staging folder cpfs made whose daemon is gone (killed, even a zombie:
+    its flock went with it). Its files never committed; the committed versions are on the stores."""
+    if not _OWN_FOLDER.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
+        return
     try:
-        fd = os.open(folder / ".lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return False
+        fd = os.open(folder / STAGING_MARKER, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return                      # no marker (or not ours to open): not a folder cpfs can vouch for
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.pread(fd, len(_MARKER_TEXT), 0) != _MARKER_TEXT:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return                  # a live daemon's
+        log.info("removing staging left by a dead daemon: %s", folder)
+        shutil.rmtree(folder, ignore_errors=True)      # holding its lock: no other daemon removes it too
     finally:
         os.close(fd)
 
 
-def prepare_staging(root: Path) -> Path:
-    """This daemon's staging folder, `root/<pid>`, locked while it lives. Folders no live daemon holds
-    (left by kill -9) are removed: their files never committed, the committed versions are on the stores."""
+def _make_folders(folder: Path, mode: int) -> None:
+    """Make the missing folders down to `folder` with exactly `mode`; existing ones keep theirs."""
+    missing = []
+    while not folder.is_dir() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue
+        os.chmod(d, mode)
+
+
+def prepare_staging(config: Config) -> Path:
+    """This daemon's staging folder, made (with the configured modes) and locked for its life, after
+    removing the folders of dead daemons. Refuses a staging folder that overlaps a store first."""
     global _staging_lock
-    root.mkdir(parents=True, exist_ok=True)
+    root = staging_dir(config)
+    check_staging_place(config, root)
+    _make_folders(root, config.dir_mode)
     for d in root.iterdir():
-        if d.is_dir() and not _held(d):
-            log.info("removing staging left by a dead daemon: %s", d)
-            shutil.rmtree(d, ignore_errors=True)
-    mine = root / str(os.getpid())
-    mine.mkdir(exist_ok=True)
-    _staging_lock = os.open(mine / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(_staging_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _remove_if_dead(d)
+    mine = root / f"cpfs-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(mine, config.dir_mode)
+    os.chmod(mine, config.dir_mode)
+    tmp = mine / f"{STAGING_MARKER}.new"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, config.file_mode)
+    try:
+        os.fchmod(fd, config.file_mode)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, _MARKER_TEXT)
+        os.rename(tmp, mine / STAGING_MARKER)          # marked only once locked
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(mine, ignore_errors=True)
+        raise
+    _staging_lock = fd
     return mine
+
+
+def remove_staging(folder: Path) -> None:
+    """Remove this daemon's staging folder (at unmount, or when the mount fails) and release its lock."""
+    global _staging_lock
+    shutil.rmtree(folder, ignore_errors=True)
+    if _staging_lock is not None:
+        os.close(_staging_lock)
+        _staging_lock = None
 
 
 def setup_logging(level: str, log_file: str | None) -> None:

@@ -2,12 +2,15 @@
 
 Every handler goes through one boundary that turns cpfs errors into their errno (and anything
 unexpected into EIO with a traceback in the log): pyfuse3 stops the filesystem on any other exception.
-Committed files are immutable, so the kernel may cache names, attributes and pages (keep_cache);
-opening a file checks (at most every `refresh`) whether another mount committed a newer version, and
-if so drops what the kernel cached of it. A file opened for writing gets one WriteSession, shared by
-all its writable handles; flush (every close) and fsync commit it, so close() returns only once the new
-version is durable. A failed commit is reported to that close() and never retried behind the writer's
-back; the kernel's pages of the uncommitted bytes are dropped when the session ends.
+Committed files are immutable, so the kernel may cache names, attributes and pages (keep_cache).
+A version committed by another mount gets a new inode (see cpfs/namespace.py): opening a file checks (at
+most every `refresh`) whether another mount committed a newer version, and if so answers ESTALE after
+retiring the old inode and dropping the kernel's name for it; the kernel then looks the name up again
+and opens the new version. Handles that opened the old version read the old version until they close.
+A file opened for writing gets one WriteSession, shared by all its writable handles; flush (every
+close) and fsync commit it, so close() returns only once the new version is durable. A failed commit is
+reported to that close() and never retried behind the writer's back; the kernel's pages of the
+uncommitted bytes are dropped when the session ends.
 """
 from __future__ import annotations
 
@@ -30,10 +33,10 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from .catalog import Catalog, new_version
+from .catalog import Catalog, Unreadable
 from .config import Config
 from .errors import CpfsError, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
-from .manifest import Manifest
+from .manifest import Manifest, Summary
 from .namespace import Namespace, Node
 from .readahead import FileReader, Scheduler
 from .writer import WriteSession
@@ -112,7 +115,7 @@ class CpfsOperations(pyfuse3.Operations):
         a.st_uid, a.st_gid = self._uid, self._gid
         a.st_blksize = 1024 * 1024
         w = self.writing.get(node.ino)
-        if not node.is_dir and node.manifest is None:
+        if not node.is_dir and node.summary is None and not node.broken:
             a.entry_timeout = 0     # not committed yet: the name may go (a failed first commit)
         if node.is_dir:
             a.st_mode = stat.S_IFDIR | 0o755
@@ -126,7 +129,7 @@ class CpfsOperations(pyfuse3.Operations):
             a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = time.time_ns()
             a.attr_timeout = 0
         else:
-            m = node.manifest
+            m = node.summary
             size = m.size if m else 0
             a.st_mode = stat.S_IFREG | ((m.mode if m else 0o644) & 0o7777)
             a.st_nlink = 1
@@ -163,9 +166,10 @@ class CpfsOperations(pyfuse3.Operations):
             self._refreshed = trio.current_time()
             self._apply(manifests, touched)
 
-    def _apply(self, manifests: dict[str, Manifest], touched: set[str]) -> None:
+    def _apply(self, manifests: dict[str, Summary | Unreadable], touched: set[str]) -> None:
         """Make the tree match a listing of every manifest, except for files being written here and
-        paths this mount changed while the listing ran (it may predate those changes)."""
+        paths this mount changed while the listing ran (it may predate those changes). A newer version
+        gets a new inode; handles of the old one keep reading the old version."""
         def changed_here(path: str) -> bool:
             return any(path == p or path.startswith(p + "/") for p in touched)
 
@@ -182,11 +186,12 @@ class CpfsOperations(pyfuse3.Operations):
                 continue
             if node.is_dir or node.ino in self.writing:
                 continue
-            if node.manifest is None or node.manifest.version < m.version:
-                node.set_manifest(m)
-                self._invalidate(node.ino)
-        for node in [n for n in self.ns.nodes.values() if n.manifest is not None and n.path not in manifests
-                     and n.ino not in self.writing and not changed_here(n.path)]:
+            if _newer(m, node):
+                parent = self.ns.parent(node)
+                self.ns.replace(node, m)
+                self._invalidate(node.ino, parent.ino, node.name)
+        for node in [n for n in self.ns.nodes.values() if (n.summary is not None or n.broken)
+                     and n.path not in manifests and n.ino not in self.writing and not changed_here(n.path)]:
             parent = self.ns.parent(node)
             self.ns.remove(node)
             self._invalidate(node.ino, parent.ino, node.name)
@@ -198,24 +203,33 @@ class CpfsOperations(pyfuse3.Operations):
         self.nursery.start_soon(trio.to_thread.run_sync, _kernel_forget, ino, parent, name)
 
     async def _take_newer(self, node: Node) -> None:
-        """If another mount committed a newer version of this file, make it the node's (looked up at
-        most every `refresh` per file) and drop the kernel's attributes and pages of the old one.
-        Only from a request during which the kernel holds no lock on the inode (open)."""
-        if node.manifest is None or node.ino in self.writing:
+        """If another mount committed a newer version of this file (looked up at most every `refresh`
+        per file), give the path a new inode with it and answer ESTALE: the kernel then looks the name
+        up again (LOOKUP_REVAL) and opens the new inode, while handles of the old inode read on.
+        Only from open, during which the kernel holds no lock on the inode."""
+        if not self.ns.is_current(node):
+            raise pyfuse3.FUSEError(errno.ESTALE)   # a name looked up before the version changed
+        if node.summary is None or node.ino in self.writing:
             return
         now = trio.current_time()
         if now - self._checked.get(node.ino, -math.inf) < self.config.refresh:
             return
         self._checked[node.ino] = now
         try:
-            m = await self.catalog.get(node.path)
+            m: Summary | Unreadable = await self.catalog.current(node.path)
         except NotFound:
             return      # removed elsewhere: what was opened stays readable; _refresh drops the name
-        if node.manifest is None or m.version <= node.manifest.version or node.ino in self.writing:
+        except ManifestError as e:
+            m = Unreadable(node.path, "(current version)", str(e))
+        if not _newer(m, node) or node.ino in self.writing or not self.ns.is_current(node):
             return
-        node.set_manifest(m)
-        await trio.to_thread.run_sync(_kernel_forget, node.ino, None, None)
-        log.info("%s: newer version %d committed elsewhere", node.path, m.version)
+        parent = self.ns.parent(node)
+        new = self.ns.replace(node, m)
+        self._checked[new.ino] = now
+        self._invalidate(node.ino, parent.ino, node.name)   # the retried lookup revalidates anyway
+        log.info("%s: newer version %s committed elsewhere (inode %d -> %d)", node.path,
+                 getattr(m, "version", "?"), node.ino, new.ino)
+        raise pyfuse3.FUSEError(errno.ESTALE)
 
     @boundary
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -223,8 +237,28 @@ class CpfsOperations(pyfuse3.Operations):
             node = self.ns.lookup(parent_inode, os.fsdecode(name))
         except NotFound:
             await self._refresh()
-            node = self.ns.lookup(parent_inode, os.fsdecode(name))
+            try:
+                node = self.ns.lookup(parent_inode, os.fsdecode(name))
+            except NotFound:
+                node = await self._lookup_committed(parent_inode, os.fsdecode(name))
         return self.attributes(node)
+
+    async def _lookup_committed(self, parent_inode: int, name: str) -> Node:
+        """A name this mount does not know, looked up on the stores at once (one folder listing per
+        store): a file another mount committed is visible on its first lookup, between refreshes."""
+        parent = self.ns.node(parent_inode)
+        if not parent.is_dir or name in (".", "..") or "/" in name:
+            raise NotFound(f"no {name!r} in {parent.path}")
+        path = posixpath.join(parent.path, name)
+        try:
+            found: Summary | Unreadable = await self.catalog.current(path)
+        except ManifestError as e:
+            found = Unreadable(path, "(current version)", str(e))
+        if path in self.ns.by_path:                  # appeared meanwhile (a refresh, a create here)
+            return self.ns.resolve(path)
+        if not self.ns.is_current(parent):
+            raise NotFound(f"no {name!r} in {parent.path}")
+        return self.ns.add(found)
 
     @boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -249,7 +283,7 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
-        used = sum(n.manifest.size for n in self.ns.nodes.values() if n.manifest is not None)
+        used = sum(n.summary.size for n in self.ns.nodes.values() if n.summary is not None)
         s.f_bsize = s.f_frsize = 4096
         s.f_blocks = used // 4096 + 1
         s.f_bfree = s.f_bavail = 1 << 40        # the stores' space is not known here
@@ -264,18 +298,31 @@ class CpfsOperations(pyfuse3.Operations):
         self.handles[fh] = handle
         return fh
 
-    async def _session(self, node: Node, truncate: bool, mode: int | None = None) -> Writing:
+    async def _manifest(self, node: Node) -> Manifest:
+        """The whole manifest of the version the node shows, fetched on first need."""
+        while node.manifest is None:        # a commit here while we fetch: fetch what it shows now
+            if node.summary is None:
+                raise ManifestError(f"{node.path}: {node.broken or 'not committed'}")
+            node.take_manifest(await self.catalog.manifest(node.summary))
+        return node.manifest
+
+    async def _session(self, node: Node, truncate: bool, mode: int | None = None,
+                       explicit: bool = False) -> Writing:
         """The node's write session, created on first writable open (from the committed version,
-        unless truncating)."""
+        unless truncating; `explicit`: a truncate(2), not an O_TRUNC open)."""
         w = self.writing.get(node.ino)
         if w is None:
             assert self.nursery is not None
-            base = None if truncate else node.manifest
+            base = None if node.summary is None or node.summary.size == 0 else await self._manifest(node)
+            if node.ino in self.writing:       # another open created it while we fetched
+                return await self._session(node, truncate, mode, explicit)
+            replaces_checkpoint = bool(truncate and not explicit and base and base.tensor_index)
+            base = None if truncate else base
             session = WriteSession(self.catalog.pool, self.catalog, node.path, staging_dir=self.staging,
                                    base=base, mode=mode if mode is not None else
-                                   (node.manifest.mode if node.manifest else 0o644),
+                                   (node.summary.mode if node.summary else 0o644),
                                    nursery=self.nursery, upload_limiter=self._upload_slots,
-                                   io_limiter=self._staging_io)
+                                   io_limiter=self._staging_io, replaces_checkpoint=replaces_checkpoint)
             w = self.writing[node.ino] = Writing(session)
         elif truncate:
             await w.session.truncate(0)
@@ -286,17 +333,18 @@ class CpfsOperations(pyfuse3.Operations):
         node = self.ns.node(inode)
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
-        if not flags & os.O_TRUNC:
-            await self._take_newer(node)
+        await self._take_newer(node)
+        if node.broken and not flags & os.O_TRUNC:
+            raise ManifestError(f"{node.path}: {node.broken}")
         if flags & os.O_ACCMODE != os.O_RDONLY:
             w = await self._session(node, truncate=bool(flags & os.O_TRUNC))
             w.handles += 1
             return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, writable=True)), direct_io=False,
                                     keep_cache=True)
-        if node.ino in self.writing or node.manifest is None:
+        if node.ino in self.writing or node.summary is None:
             return pyfuse3.FileInfo(fh=self._new_handle(Handle(node)), keep_cache=True)
         assert self.nursery is not None
-        reader = await self.sched.open(self.nursery, node.manifest, node.index, inode)
+        reader = await self.sched.open(self.nursery, await self._manifest(node), node.index, inode)
         return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, reader)), keep_cache=True)
 
     @boundary
@@ -306,12 +354,15 @@ class CpfsOperations(pyfuse3.Operations):
         if w is not None:
             return await w.session.read(off, size)       # read-your-writes
         if h.reader is None or h.reader.m is not h.node.manifest:
+            # Opened while the file was being written here, or committed here since: the version
+            # this mount now shows (another mount's versions come with a new inode, never here).
             if h.reader is not None:
                 await h.reader.aclose()
-            if h.node.manifest is None:
+            if h.node.summary is None:
                 return b""
+            m = await self._manifest(h.node)
             assert self.nursery is not None
-            h.reader = await self.sched.open(self.nursery, h.node.manifest, h.node.index, h.node.ino)
+            h.reader = await self.sched.open(self.nursery, m, h.node.index, h.node.ino)
         return await h.reader.read(off, size)
 
     # -- writing ----------------------------------------------------------------------------------
@@ -333,19 +384,20 @@ class CpfsOperations(pyfuse3.Operations):
         h = self.handles[fh]
         return await self.writing[h.node.ino].session.write(off, buf)
 
-    async def _commit(self, node: Node) -> None:
+    async def _commit(self, node: Node, closing: bool = True) -> None:
         w = self.writing.get(node.ino)
         if w is None or w.unlinked:
             return
         w.session.path = node.path
         with self._changing(node.path):
             try:
-                manifest = await w.session.flush()
+                manifest = await w.session.flush(closing=closing)
             except BaseException:
                 w.failed = True
                 raise
             w.failed = False
-            node.set_manifest(manifest)
+            if manifest is not None:
+                node.set_version(manifest)
 
     @boundary
     async def flush(self, fh: int) -> None:
@@ -354,8 +406,12 @@ class CpfsOperations(pyfuse3.Operations):
         if h.writable:
             await self._commit(h.node)
 
+    @boundary
     async def fsync(self, fh: int, datasync: bool) -> None:
-        await self.flush(fh)
+        """Durable data, but not a commit of a checkpoint still being written (see WriteSession.flush)."""
+        h = self.handles[fh]
+        if h.writable:
+            await self._commit(h.node, closing=False)
 
     @boundary
     async def release(self, fh: int) -> None:
@@ -376,7 +432,8 @@ class CpfsOperations(pyfuse3.Operations):
         finally:
             # Before any await: a request that follows the close() must not find the session or the name.
             del self.writing[h.node.ino]
-            if h.node.manifest is None and not w.unlinked and h.node.path in self.ns.by_path:
+            if (h.node.summary is None and not h.node.broken and not w.unlinked
+                    and self.ns.is_current(h.node)):
                 self.ns.remove(h.node)   # never committed: it never existed for anyone else
             elif w.failed and not w.unlinked:
                 self._invalidate(h.node.ino)    # the kernel's pages hold bytes that did not commit
@@ -391,7 +448,7 @@ class CpfsOperations(pyfuse3.Operations):
         w = self.writing.get(inode)
         if fields.update_size:
             if w is None:          # truncate(2) on a closed file: a session of its own, committed now
-                w = await self._session(node, truncate=attr.st_size == 0)
+                w = await self._session(node, truncate=attr.st_size == 0, explicit=True)
                 try:
                     await w.session.truncate(attr.st_size)
                     await self._commit(node)
@@ -404,19 +461,17 @@ class CpfsOperations(pyfuse3.Operations):
         if fields.update_mode:
             if w is not None:
                 w.session.mode = attr.st_mode & 0o7777
-            elif node.manifest is not None:
+            elif node.summary is not None:
                 await self._rewrite(node, mode=attr.st_mode & 0o7777)
-        if fields.update_mtime and w is None and node.manifest is not None:
+        if fields.update_mtime and w is None and node.summary is not None:
             await self._rewrite(node, mtime_ns=attr.st_mtime_ns)
         return self.attributes(node)
 
     async def _rewrite(self, node: Node, **changes: Any) -> None:
         """A new version with other attributes and the same chunks."""
-        assert node.manifest is not None
-        m = dataclasses.replace(node.manifest, version=max(new_version(), node.manifest.version + 1), **changes)
+        m = await self._manifest(node)
         with self._changing(node.path):
-            await self.catalog.commit(m)
-            node.set_manifest(m)
+            node.set_version(await self.catalog.commit(dataclasses.replace(m, **changes)))
 
     # -- names ------------------------------------------------------------------------------------
     @boundary
@@ -430,7 +485,7 @@ class CpfsOperations(pyfuse3.Operations):
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
         with self._changing(node.path):
-            if node.manifest is not None:
+            if node.summary is not None or node.broken:
                 await self.catalog.remove(node.path)
             w = self.writing.get(node.ino)
             if w is not None:
@@ -469,25 +524,36 @@ class CpfsOperations(pyfuse3.Operations):
                 raise NotEmpty(f"{t.path}: not empty")
         with self._changing(node.path, posixpath.join(new_parent.path, new_name)):
             if t is not None:
-                if t.manifest is not None and node.manifest is None:   # else the commit under its path replaces it
-                    with contextlib.suppress(NotFound):
-                        await self.catalog.remove(t.path)
+                # A committed target stays on the stores until something commits under its name: the
+                # renamed file's move, or (never committed yet) its first commit. If that never comes,
+                # the target is still there on the next refresh; nothing is lost to a crash meanwhile.
                 w = self.writing.get(t.ino)
                 if w is not None:
                     w.unlinked = True        # open handles keep working; nothing is committed
                 self.ns.remove(t)
             self.ns.move(node, new_parent, new_name)
             for f in self.ns.files_below(node):
-                if f.manifest is not None:
-                    f.set_manifest(await self.catalog.move(f.manifest, f.path))
+                if f.summary is not None:
+                    f.set_version(await self.catalog.move(await self._manifest(f), f.path))
                 w = self.writing.get(f.ino)
                 if w is not None:
                     w.session.path = f.path
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, _nlookup in inode_list:
+            self.ns.forget(ino)
 
     async def _unsupported(self, *args: Any) -> Any:
         raise pyfuse3.FUSEError(errno.ENOTSUP)
 
     mknod = symlink = link = _unsupported
+
+
+def _newer(m: Summary | Unreadable, node: Node) -> bool:
+    """Whether a listing's entry for a node's path should replace what the node shows."""
+    if isinstance(m, Unreadable):
+        return not node.broken
+    return node.summary is None or m.order > node.summary.order
 
 
 def _kernel_forget(ino: int, parent: int | None, name: str | None) -> None:

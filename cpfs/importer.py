@@ -16,7 +16,7 @@ from pathlib import Path
 
 import trio
 
-from .catalog import Catalog, new_version
+from .catalog import Catalog
 from .chunking import cut, cut_points
 from .errors import CpfsError
 from .manifest import ChunkEntry, Manifest, normalize_path
@@ -54,12 +54,12 @@ class Importer:
         up = self._uploader.statistics()
         return PutStats(self._files, self._logical_bytes, up.new_raw_bytes, up.stored_bytes)
 
-    def _layout(self, fd: int, size: int) -> tuple[TensorIndex | None, list[int]]:
+    def _layout(self, fd: int, size: int, name: str) -> tuple[TensorIndex | None, list[int]]:
         """The file's tensor index and cut points (blocking)."""
         def read_at(offset: int, length: int) -> bytes:
             return os.pread(fd, length, offset)
 
-        index = build_index(read_at, size)
+        index = build_index(read_at, size, name)
         return index, cut_points(read_at, size, index, self.cfg.chunk_size)
 
     async def _chunk(self, fd: int, name: str, span: tuple[int, int]) -> ChunkEntry:
@@ -77,7 +77,7 @@ class Importer:
             raise CpfsError(f"{src}: not a regular file")
         fd = os.open(src, os.O_RDONLY)
         try:
-            index, points = await trio.to_thread.run_sync(self._layout, fd, st.st_size, limiter=self.pool.cpu)
+            index, points = await trio.to_thread.run_sync(self._layout, fd, st.st_size, str(src), limiter=self.pool.cpu)
             spans = cut(st.st_size, self.cfg.chunk_size, points)
             entries = await in_parallel(lambda span: self._chunk(fd, str(src), span), spans,
                                         self.cfg.fetch_concurrency)
@@ -88,8 +88,8 @@ class Importer:
             raise CpfsError(f"{src}: changed while importing; nothing was committed")
         manifest = Manifest(path=dest, size=st.st_size, mtime_ns=st.st_mtime_ns, mode=stat.S_IMODE(st.st_mode),
                             chunk_size=self.cfg.chunk_size, chunks=tuple(entries),
-                            version=new_version(), tensor_index=index.to_json() if index else None)
-        await self.catalog.commit(manifest)
+                            version=0, tensor_index=index.to_json() if index else None)
+        manifest = await self.catalog.commit(manifest)
         self._files += 1
         self._logical_bytes += st.st_size
         log.info("put %s -> %s: %d bytes in %d chunks%s", src, dest, st.st_size, len(spans),

@@ -2,8 +2,12 @@
 
 It records everything a reader needs without asking anyone else: the file's attributes, its ordered
 chunks (hash, lengths, codec, the stores holding each), and the tensor index. The namespace is derived
-from the set of manifests; a new version of a path replaces the old one by an atomic put of the same key,
-and `version` (commit time in ns) decides between replicas that disagree.
+from the set of manifests. Every commit is a new immutable document (see cpfs/catalog.py): `version` is
+a per-path counter, `writer` breaks ties between two commits of one version, and `state` says whether
+the version is a file ("ok"), a removal ("deleted") or a save that did not complete ("failed").
+
+Every field is checked on load, since a manifest comes from a store we do not control: a bad one must
+make its own file unreadable, never crash a listing of its neighbours (a size beyond 2**63 once did).
 """
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ import bisect
 import json
 import posixpath
 import re
-import stat
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -20,8 +23,15 @@ import blake3
 
 from .errors import ManifestError
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)          # format 1: one document per path, before version history
+STATES = ("ok", "failed", "deleted")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_WRITER = re.compile(r"[0-9a-f]{0,32}")
+_MAX_INT = 2**63 - 1               # what stat(2) and the kernel can carry
+_MAX_CHUNK = 1024**3               # far above the largest chunk_size (256 MiB) we cut
+_MAX_VERSION = 10**19              # fits the 20 digits of a manifest key
+_MAX_TEXT = 4096
 
 
 def normalize_path(path: str) -> str:
@@ -36,9 +46,10 @@ def normalize_path(path: str) -> str:
     return "/" + "/".join(parts)
 
 
-def manifest_key(path: str) -> str:
-    """Store key of a path's manifest: a hash, since paths may be long or hold any character."""
-    return f"manifests/{blake3.blake3(path.encode()).hexdigest()[:40]}.json"
+def path_hash(path: str) -> str:
+    """Names a path's folder of manifest versions on the stores: a hash, since paths may be long or
+    hold any character."""
+    return blake3.blake3(path.encode()).hexdigest()[:40]
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,45 @@ class ChunkEntry:
     stored_len: int
     codec: str
     stores: tuple[str, ...]
+
+
+_SUMMARY_KEYS = ("format", "path", "size", "mtime_ns", "mode", "version", "writer", "host", "committed_ns",
+                 "state", "reason")
+SUMMARY_MAX = 16 * 1024      # a summary line is at most this long (path and reason are bounded)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a listing needs of a version (name, size, times, order), without chunks or tensor index.
+
+    A manifest is stored as two JSON lines: this summary, then the body. A mount of 10,000 files of
+    1,000 tensors reads 10,000 summaries (a ranged read each), not gigabytes of tensor indexes;
+    the body is read when a file is opened. `key` and `stores` say where it was found (not stored)."""
+    path: str
+    size: int
+    mtime_ns: int
+    mode: int
+    version: int
+    writer: str = ""
+    host: str = ""
+    committed_ns: int = 0
+    state: str = "ok"
+    reason: str = ""
+    key: str = ""
+    stores: tuple[str, ...] = ()
+
+    @property
+    def order(self) -> tuple[int, str]:
+        """Total order of a path's versions: the counter, then the writer id."""
+        return (self.version, self.writer)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "manifest") -> "Summary":
+        """The summary from the first line of a stored manifest (a prefix of it is enough)."""
+        line, nl, _ = bytes(data).partition(b"\n")
+        if not nl:
+            raise ManifestError(f"{where}: no summary line in the first {len(data)} bytes")
+        return _parse_summary(_loads(line, where), where)
 
 
 @dataclass(frozen=True)
@@ -61,6 +111,20 @@ class Manifest:
     version: int
     tensor_index: dict[str, Any] | None = None
     format: int = FORMAT
+    writer: str = ""               # hex id of the committing process: breaks ties between versions
+    host: str = ""                 # where it was committed (information only)
+    committed_ns: int = 0          # wall clock at commit (information only: never orders versions)
+    state: str = "ok"              # "ok", "failed" (an incomplete save, kept for history), "deleted"
+    reason: str = ""               # why a version failed
+
+    @property
+    def order(self) -> tuple[int, str]:
+        """Total order of a path's versions: the counter, then the writer id."""
+        return (self.version, self.writer)
+
+    @property
+    def summary(self) -> Summary:
+        return Summary(**{k: getattr(self, k) for k in _SUMMARY_KEYS if k != "format"})
 
     @cached_property
     def offsets(self) -> list[int]:
@@ -86,50 +150,97 @@ class Manifest:
         return sum(c.stored_len for c in self.chunks)
 
     def to_bytes(self) -> bytes:
-        doc = {
-            "format": self.format, "path": self.path, "size": self.size, "mtime_ns": self.mtime_ns,
-            "mode": self.mode, "chunk_size": self.chunk_size, "version": self.version,
-            "chunks": [[c.digest, c.raw_len, c.stored_len, c.codec, list(c.stores)] for c in self.chunks],
-            "tensor_index": self.tensor_index,
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        """Two JSON lines: the summary (see Summary), then chunks and tensor index."""
+        head = {k: getattr(self, k) for k in _SUMMARY_KEYS}
+        body = {"chunk_size": self.chunk_size,
+                "chunks": [[c.digest, c.raw_len, c.stored_len, c.codec, list(c.stores)] for c in self.chunks],
+                "tensor_index": self.tensor_index}
+        line = json.dumps(head, separators=(",", ":")).encode()
+        if len(line) >= SUMMARY_MAX:
+            raise ManifestError(f"{self.path}: summary of {len(line)} bytes is too long")
+        return line + b"\n" + json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
-        """Parse and validate; anything inconsistent raises ManifestError naming `where`."""
+        """Parse and validate; anything inconsistent raises ManifestError naming `where`.
+        Format 1 (one JSON document) is read too."""
+        head, nl, body = bytes(data).partition(b"\n")
+        doc = _loads(head, where)
+        if nl:
+            more = _loads(body, where)
+            if isinstance(doc, dict) and isinstance(more, dict):
+                doc = {**more, **doc}
+        s = _parse_summary(doc, where)
         try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{where}: not valid JSON: {e}") from None
-        try:
-            if not isinstance(doc, dict):
-                raise TypeError("not an object")
-            if doc["format"] != FORMAT:
-                raise ManifestError(f"unsupported manifest format {doc['format']!r}")
+            chunk_size = _int(doc, "chunk_size", 1, _MAX_CHUNK)
             chunks = []
             for c in doc["chunks"]:
                 digest, raw_len, stored_len, codec, stores = c
                 if not (isinstance(digest, str) and _HEX64.fullmatch(digest)):
-                    raise ValueError(f"bad chunk hash {digest!r}")
-                if not (isinstance(raw_len, int) and raw_len > 0 and isinstance(stored_len, int)
-                        and stored_len > 0 and codec in ("raw", "lz4") and isinstance(stores, list)
-                        and stores and all(isinstance(s, str) for s in stores)):
-                    raise ValueError(f"bad chunk entry {c!r}")
+                    raise ValueError(f"bad chunk hash {digest!r:.80}")
+                if not (type(raw_len) is int and 0 < raw_len <= _MAX_CHUNK and type(stored_len) is int
+                        and 0 < stored_len <= raw_len + 64 and codec in ("raw", "lz4")
+                        and isinstance(stores, list) and stores
+                        and all(isinstance(s, str) and 0 < len(s) <= 255 for s in stores)
+                        and len(set(stores)) == len(stores)):
+                    raise ValueError(f"bad chunk entry {c!r:.200}")
                 chunks.append(ChunkEntry(digest, raw_len, stored_len, codec, tuple(stores)))
-            m = cls(path=normalize_path(doc["path"]), size=int(doc["size"]), mtime_ns=int(doc["mtime_ns"]),
-                    mode=int(doc["mode"]), chunk_size=int(doc["chunk_size"]), chunks=tuple(chunks),
-                    version=int(doc["version"]), tensor_index=doc.get("tensor_index"))
-        except ManifestError as e:    # the format check, or a bad path
-            raise ManifestError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"{where}: malformed manifest: {e!r}") from None
+            raise ManifestError(f"{where}: malformed manifest: {e!r:.300}") from None
+        m = cls(path=s.path, size=s.size, mtime_ns=s.mtime_ns, mode=s.mode, chunk_size=chunk_size,
+                chunks=tuple(chunks), version=s.version, tensor_index=doc.get("tensor_index"), format=FORMAT,
+                writer=s.writer, host=s.host, committed_ns=s.committed_ns, state=s.state, reason=s.reason)
         if m.offsets[-1] != m.size:
             raise ManifestError(f"{where}: chunks add up to {m.offsets[-1]} bytes, size says {m.size}")
-        if not stat.S_ISREG(m.mode | stat.S_IFREG) or m.size < 0:
-            raise ManifestError(f"{where}: bad mode or size")
         if m.tensor_index is not None and not isinstance(m.tensor_index, dict):
             raise ManifestError(f"{where}: tensor_index must be an object")
         return m
+
+
+def _loads(data: bytes, where: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{where}: not valid JSON: {e}") from None
+
+
+def _parse_summary(doc: Any, where: str) -> Summary:
+    """Every summary field, validated: a manifest comes from a store we do not control."""
+    try:
+        if not isinstance(doc, dict):
+            raise TypeError("not an object")
+        if type(doc["format"]) is not int or doc["format"] not in READABLE_FORMATS:
+            raise ManifestError(f"unsupported manifest format {doc['format']!r:.40}")
+        state = doc.get("state", "ok")
+        if state not in STATES:
+            raise ValueError(f"bad state {state!r:.40}")
+        writer, host, reason = (_text(doc, k) for k in ("writer", "host", "reason"))
+        if not _WRITER.fullmatch(writer):
+            raise ValueError(f"bad writer id {writer!r:.40}")
+        return Summary(path=normalize_path(doc["path"]), size=_int(doc, "size", 0, _MAX_INT),
+                       mtime_ns=_int(doc, "mtime_ns", -_MAX_INT, _MAX_INT), mode=_int(doc, "mode", 0, 0o7777),
+                       version=_int(doc, "version", 0, _MAX_VERSION), writer=writer, host=host,
+                       committed_ns=_int(doc, "committed_ns", 0, _MAX_INT, default=0), state=state,
+                       reason=reason)
+    except ManifestError as e:    # the format check, or a bad path
+        raise ManifestError(f"{where}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{where}: malformed manifest: {e!r:.300}") from None
+
+
+def _int(doc: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
+    """An integer field within [lo, hi]: JSON floats, strings and booleans are refused, not coerced."""
+    value = doc.get(key, default) if default is not None else doc[key]
+    if type(value) is not int or not lo <= value <= hi:
+        raise ValueError(f"{key} must be an integer in [{lo}, {hi}], got {value!r:.40}")
+    return value
+
+
+def _text(doc: dict, key: str) -> str:
+    value = doc.get(key, "")
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise ValueError(f"{key} must be a string of at most {_MAX_TEXT} characters")
+    return value
 
 
 def parent_dirs(path: str) -> list[str]:

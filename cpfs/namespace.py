@@ -1,7 +1,14 @@
 """The folder tree a mount shows, derived from the set of manifests, with stable inode numbers.
 
-Files come from manifests; folders from their paths (and, within one mount, from mkdir). A file being
-written has a node before its first commit, visible in this mount only.
+Files come from the catalog's summaries (name, size, times: all that a listing needs); a file's whole
+manifest (chunks, tensor index) is fetched when it is opened. Folders come from paths (and, within one
+mount, from mkdir). A file being written has a node before its first commit, visible in this mount only.
+
+Invariant: an inode number always means one version of one file as another mount committed it. When
+another mount commits a newer version, the path gets a new node (a new inode) and the old node is
+*retired*: no longer reachable by name, still answering getattr and reads for the handles that opened
+it, until the kernel forgets it. So a process that opened version 1 reads version 1 to the end, never a
+mix, and the kernel's page cache of the old inode stays true. Names removed while open retire the same way.
 """
 from __future__ import annotations
 
@@ -12,8 +19,9 @@ from dataclasses import dataclass, field
 
 import pyfuse3
 
+from .catalog import Unreadable
 from .errors import Exists, ManifestError, NotADirectory, NotFound
-from .manifest import Manifest, parent_dirs
+from .manifest import Manifest, Summary, parent_dirs
 from .tensor_index import TensorIndex
 
 log = logging.getLogger(__name__)
@@ -25,8 +33,10 @@ class Node:
     ino: int
     path: str
     is_dir: bool
-    manifest: Manifest | None = None          # the committed version; None for folders and new files
+    summary: Summary | None = None            # the committed version; None for folders and new files
+    manifest: Manifest | None = None          # its whole manifest, once fetched (see the module doc)
     children: dict[str, int] = field(default_factory=dict)
+    broken: str = ""                          # why the current version cannot be read (open: EIO)
     _index: TensorIndex | None = None
 
     @property
@@ -43,13 +53,25 @@ class Node:
                 raise ManifestError(f"{self.path}: bad tensor index in manifest: {e}") from None
         return self._index
 
-    def set_manifest(self, manifest: Manifest | None) -> None:
-        self.manifest, self._index = manifest, None
+    def set_version(self, version: Summary | Manifest | None) -> None:
+        """Show another committed version (a summary, or a whole manifest we already hold)."""
+        if isinstance(version, Manifest):
+            self.summary, self.manifest = version.summary, version
+        else:
+            self.summary, self.manifest = version, None
+        self._index = None
+        self.broken = ""
+
+    def take_manifest(self, manifest: Manifest) -> None:
+        """The whole manifest of the version the node shows, fetched on first need."""
+        if self.summary is not None and self.summary.order == manifest.order and self.manifest is None:
+            self.manifest, self._index = manifest, None
 
 
 class Namespace:
-    def __init__(self, manifests: dict[str, Manifest]) -> None:
+    def __init__(self, manifests: dict[str, Summary | Unreadable]) -> None:
         self.nodes: dict[int, Node] = {ROOT: Node(ROOT, "/", True)}
+        self.retired: dict[int, Node] = {}      # unreachable by name, kept for open handles until forget
         self.by_path: dict[str, int] = {"/": ROOT}
         self._inos = itertools.count(ROOT + 1)
         for path in sorted(manifests):
@@ -58,8 +80,8 @@ class Namespace:
             except ManifestError as e:
                 log.warning("skipping a file: %s", e)
 
-    def _new(self, path: str, is_dir: bool, manifest: Manifest | None = None) -> Node:
-        node = Node(next(self._inos), path, is_dir, manifest)
+    def _new(self, path: str, is_dir: bool) -> Node:
+        node = Node(next(self._inos), path, is_dir)
         self.nodes[node.ino] = node
         self.by_path[path] = node.ino
         self.parent(node).children[node.name] = node.ino
@@ -68,7 +90,7 @@ class Namespace:
     def parent(self, node: Node) -> Node:
         return self.nodes[self.by_path[posixpath.dirname(node.path)]]
 
-    def add(self, manifest: Manifest) -> Node:
+    def add(self, manifest: Summary | Manifest | Unreadable) -> Node:
         """Add or update a file (and the folders its path implies)."""
         for d in parent_dirs(manifest.path):
             ino = self.by_path.get(d)
@@ -78,12 +100,22 @@ class Namespace:
                 raise ManifestError(f"{manifest.path}: {d} is a file, not a folder")
         ino = self.by_path.get(manifest.path)
         if ino is None:
-            return self._new(manifest.path, False, manifest)
-        node = self.nodes[ino]
-        if node.is_dir:
-            raise ManifestError(f"{manifest.path}: is a folder here")
-        node.set_manifest(manifest)
+            node = self._new(manifest.path, False)
+        else:
+            node = self.nodes[ino]
+            if node.is_dir:
+                raise ManifestError(f"{manifest.path}: is a folder here")
+        if isinstance(manifest, Unreadable):
+            node.set_version(None)
+            node.broken = f"manifest {manifest.key}: {manifest.reason}"
+        else:
+            node.set_version(manifest)
         return node
+
+    def replace(self, node: Node, manifest: Summary | Unreadable) -> Node:
+        """A new node (inode) for a version committed elsewhere; the old one is retired (module doc)."""
+        self.remove(node)
+        return self.add(manifest)
 
     def create(self, parent: Node, name: str, is_dir: bool) -> Node:
         if not parent.is_dir:
@@ -93,11 +125,19 @@ class Namespace:
         return self._new(posixpath.join(parent.path, name), is_dir)
 
     def remove(self, node: Node) -> None:
-        """Drop a node (a folder with everything below it)."""
+        """Unlink a node (a folder with everything below it); open handles keep it until forget."""
         self.parent(node).children.pop(node.name, None)
         for n in self.walk(node):
             del self.by_path[n.path]
-            del self.nodes[n.ino]
+            self.retired[n.ino] = self.nodes.pop(n.ino)
+
+    def is_current(self, node: Node) -> bool:
+        """Whether the node is still reachable by its name (not retired)."""
+        return node.ino in self.nodes
+
+    def forget(self, ino: int) -> None:
+        """The kernel dropped the inode: a retired node is gone for good (live ones keep their number)."""
+        self.retired.pop(ino, None)
 
     def walk(self, node: Node) -> list[Node]:
         """The node and everything below it."""
@@ -120,10 +160,11 @@ class Namespace:
             self.by_path[n.path] = n.ino
 
     def node(self, ino: int) -> Node:
-        try:
-            return self.nodes[ino]
-        except KeyError:
-            raise NotFound(f"no inode {ino}") from None
+        """A live or retired node: handles and the kernel may still use a retired inode."""
+        node = self.nodes.get(ino) or self.retired.get(ino)
+        if node is None:
+            raise NotFound(f"no inode {ino}")
+        return node
 
     def lookup(self, parent: int, name: str) -> Node:
         node = self.node(parent)

@@ -34,10 +34,15 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 class StagingFile:
-    """`label()` names the file being written in error messages; `io_limiter` bounds reads and writes."""
+    """`label()` names the file being written in error messages; `io_limiter` bounds reads and writes.
+    `mode` and `dir_mode` are the store's ([store_defaults] file_mode, dir_mode): staged bytes are the
+    file's content and as private as its chunks."""
 
-    def __init__(self, path: Path, size: int, io_limiter: trio.CapacityLimiter, label: Callable[[], str]) -> None:
+    def __init__(self, path: Path, size: int, io_limiter: trio.CapacityLimiter, label: Callable[[], str], *,
+                 mode: int = 0o600, dir_mode: int = 0o700) -> None:
         self.path = path
+        self._mode = mode
+        self._dir_mode = dir_mode
         self.closed = False  # set by the session as it starts closing: nothing new may start
         self._size = size
         self._io = io_limiter
@@ -102,8 +107,11 @@ class StagingFile:
         await trio.to_thread.run_sync(self._remove, fd, limiter=self._io)
 
     def _create(self) -> int:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        if not self.path.parent.is_dir():       # the daemon made it; a session on its own makes it here
+            self.path.parent.mkdir(self._dir_mode, parents=True, exist_ok=True)
+            os.chmod(self.path.parent, self._dir_mode)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode)
+        os.fchmod(fd, self._mode)               # exactly the configured mode, whatever the umask
         if self._size:
             os.ftruncate(fd, self._size)  # the base version's bytes arrive as they are needed
         return fd

@@ -21,6 +21,15 @@ fetched into the staging file only when a read or a partial overwrite needs thei
 new layout keeps unchanged are committed by reference, never read. Write-behind is off for such
 sessions (until they are truncated to zero): their bytes are not written in file order.
 
+What never commits. A write or truncate that fails (disk full, an I/O error of the staging file, a
+base chunk that cannot be fetched) leaves content the writer did not mean: the session is poisoned,
+and every later write, truncate, fsync and close fails with that error's errno, so the previous version
+stays current. A torch zip or safetensors file whose bytes stop before the end its format names (a
+saver killed mid-save still has its file closed by the kernel) is not committed at close: its chunks
+are stored and recorded as a failed version (`cpfs log` shows it and why), and close fails with EIO.
+fsync of such a file (savers that fsync as they go) stores its chunks and records nothing.
+See cpfs/completeness.py for what complete means.
+
 Concurrency. write, truncate and flush run one at a time (one lock); reads do not wait for them. Staging
 I/O runs in threads under the io limiter, hashing, compression and scanning under pool.cpu. At most
 `fetch_concurrency` chunks (upload slots, shareable between sessions) are in memory being encoded or
@@ -39,9 +48,10 @@ from pathlib import Path
 
 import trio
 
-from .catalog import Catalog, new_version
+from .catalog import Catalog
 from .chunking import BoundaryScanner, ReadAt, chunk_end, cut, cut_points
-from .errors import CpfsError
+from .completeness import incomplete_reason
+from .errors import CpfsError, IncompleteFile, StoreError, WriteFailed
 from .manifest import ChunkEntry, Manifest, normalize_path
 from .pool import StorePool
 from .staging import StagingError, StagingFile
@@ -112,7 +122,11 @@ class WriteSession:
                  base: Manifest | None = None, mode: int = 0o644, nursery: trio.Nursery,
                  fetch: Callable[[int], Awaitable[bytes]] | None = None,
                  upload_limiter: trio.CapacityLimiter | None = None,
-                 io_limiter: trio.CapacityLimiter | None = None) -> None:
+                 io_limiter: trio.CapacityLimiter | None = None, replaces_checkpoint: bool = False) -> None:
+        """`replaces_checkpoint`: the file was opened with O_TRUNC over a committed torch/safetensors
+        checkpoint, so an empty file at close is a saver that died before its first byte, not a
+        checkpoint (an explicit truncate(2) to zero passes False)."""
+        self._replaces_checkpoint = replaces_checkpoint
         self._pool = pool
         self._catalog = catalog
         self._cfg = pool.config
@@ -125,7 +139,7 @@ class WriteSession:
         self._lock = trio.Lock()
         self._file = StagingFile(Path(staging_dir) / f"cpfs-write-{uuid.uuid4().hex}.stage",
                                  base.size if base else 0, io_limiter or trio.CapacityLimiter(_IO_THREADS),
-                                 lambda: self.path)
+                                 lambda: self.path, mode=self._cfg.file_mode, dir_mode=self._cfg.dir_mode)
         self._uploader = Uploader(pool)
 
         # Content. A "clean" span's bytes are stored as its entry says; `pending`: stored by this
@@ -135,6 +149,8 @@ class WriteSession:
         self._mod = 0                         # bumped by every change
         self._committed: Manifest | None = base
         self._committed_mod = 0 if base else -1
+        self._poisoned: tuple[str, int] | None = None   # why and errno: a write or truncate failed
+        self._refused: tuple[int, str] | None = None    # (mod, message) last recorded as a failed version
         self._clean: dict[Span, tuple[ChunkEntry, bool]] = {}
         self._clean_keys: list[Span] = []     # sorted
         self._max_span = self._cs
@@ -192,10 +208,15 @@ class WriteSession:
             return 0
         async with self._lock:
             self._file.check_open()
+            self._check_poisoned()
             end = offset + len(data)
-            if self._unfetched:
-                await self._before_change(offset, end)
-            await self._file.pwrite(data, offset)
+            try:
+                if self._unfetched:
+                    await self._before_change(offset, end)
+                await self._file.pwrite(data, offset)
+            except BaseException as e:
+                self._poison(f"write of {len(data)} bytes at {offset}", e)
+                raise
             self._size = max(self._size, end)
             self._changed(offset, end)
             self._bytes_written += len(data)
@@ -219,23 +240,38 @@ class WriteSession:
             raise StagingError(f"{self.path}: truncate to negative size {size}", errno.EINVAL)
         async with self._lock:
             self._file.check_open()
+            self._check_poisoned()
             old = self._size
             if size == old:
                 return
-            if size < old and self._unfetched:
-                await self._before_change(size, old, shrink=True)
-            await self._file.truncate(size)
+            try:
+                if size < old and self._unfetched:
+                    await self._before_change(size, old, shrink=True)
+                await self._file.truncate(size)
+            except BaseException as e:
+                self._poison(f"truncate to {size} bytes", e)
+                raise
             self._size = size
             self._changed(min(old, size), max(old, size))
             if size < old:
                 self._restart_stream(size)
 
-    async def flush(self) -> Manifest:
+    async def flush(self, *, closing: bool = True) -> Manifest | None:
         """Store every chunk of the current content and commit it as the path's new version; a no-op
         (returning the last commit) if nothing changed since. If a store fails below quorum this
-        raises its StoreError and the previously committed version stays current."""
+        raises its StoreError and the previously committed version stays current.
+
+        Never commits a poisoned session (WriteFailed, with the failed write's errno) nor an
+        incomplete checkpoint (see the module doc): with `closing` (close) the latter is recorded as a
+        failed version and raises IncompleteFile; without (fsync) its chunks are stored, nothing is
+        recorded, and it returns None."""
         async with self._lock:
             self._file.check_open()
+            try:
+                self._check_poisoned()
+            except WriteFailed as e:
+                log.error("flush refused: %s", e)
+                raise
             if self._committed is not None and self._committed_mod == self._mod:
                 return self._committed
             self._paused += 1
@@ -243,7 +279,7 @@ class WriteSession:
                 while self._background:  # let write-behind settle; it resumes after the commit
                     await self._idle.wait()
                 self._stream_error = None
-                return await self._commit()
+                return await self._commit(closing)
             except CpfsError as e:
                 log.error("%s: flush failed, the last committed version stays current: %s", self.path, e)
                 raise
@@ -267,6 +303,23 @@ class WriteSession:
             with trio.CancelScope(shield=True):  # brief, and must not leave the staging file behind
                 await self._pump_done.wait()
                 await self._file.aclose()
+
+    # ------------------------------------------------------------------ failures
+
+    def _poison(self, what: str, e: BaseException) -> None:
+        """A write or truncate failed part-way: from now on this open file never commits."""
+        if self._poisoned is not None:
+            return
+        err = getattr(e, "errno", None) if isinstance(e, (CpfsError, OSError)) else None
+        cause = str(e) if isinstance(e, (CpfsError, OSError)) else f"interrupted ({type(e).__name__})"
+        self._poisoned = (f"{self.path}: an earlier {what} failed, so this open file will not commit "
+                          f"and the previous version stays current: {cause}", err or errno.EIO)
+        log.error("%s", self._poisoned[0])
+        self._wake.fire()  # write-behind stops: nothing of this content will be committed
+
+    def _check_poisoned(self) -> None:
+        if self._poisoned is not None:
+            raise WriteFailed(*self._poisoned)
 
     # ------------------------------------------------------------------ base version
 
@@ -409,7 +462,8 @@ class WriteSession:
             with self._pump_scope:
                 async with trio.open_nursery() as uploads:
                     while not self._file.closed:
-                        if self._paused or not self._streaming or self._stream_error is not None:
+                        if (self._paused or not self._streaming or self._stream_error is not None
+                                or self._poisoned is not None):
                             await self._wake.wait()
                             continue
                         span = self._ready_span()
@@ -498,19 +552,35 @@ class WriteSession:
         finally:
             self._release(enc.stored_len)
 
+    def _reader(self) -> tuple[ReadAt, trio.CapacityLimiter]:
+        """read_at over the staged content for work in a thread, and the limiter to run it under."""
+        if self._unfetched:  # reading goes through the session, which may fetch base chunks
+            return self._read_via_session, trio.CapacityLimiter(1)  # not shared: its nested reads need those
+        return self._file.read_at, self._pool.cpu
+
     async def _layout(self, size: int) -> tuple[TensorIndex | None, list[int]]:
         """Tensor index and cut points of the staged content (the importer's, see the module doc)."""
         if size == 0:
             return None, []
-        if self._unfetched:  # reading goes through the session, which may fetch base chunks
-            read_at: ReadAt = self._read_via_session
-            limiter = trio.CapacityLimiter(1)  # not a shared one: its nested reads need those
-            index = await self._file.run(build_index, read_at, size, limiter=limiter)
+        read_at, limiter = self._reader()
+        if self._unfetched:
+            index = await self._file.run(build_index, read_at, size, self.path, limiter=limiter)
         else:
-            read_at, limiter = self._file.read_at, self._pool.cpu
-            index = await self._file.run(index_file, self._file.path, limiter=limiter)
+            index = await self._file.run(index_file, self._file.path, self.path, limiter=limiter)
         scanner = None if self._scan_dirty else self._scanner  # resumed, if its bytes are unchanged
         return index, await self._file.run(cut_points, read_at, size, index, self._cs, scanner, limiter=limiter)
+
+    async def _incomplete(self, size: int, index: TensorIndex | None) -> str | None:
+        """Why the staged content is an incomplete checkpoint, if it is one (cpfs/completeness.py).
+        A file the indexer read whole is complete: its directory or header and every tensor are there."""
+        if size == 0:
+            return ("empty: the saver wrote nothing over a checkpoint (opened with O_TRUNC, closed "
+                    "before its first byte)") if self._replaces_checkpoint else None
+        if index is not None:
+            return None
+        await self._file.fd()
+        read_at, limiter = self._reader()
+        return await self._file.run(incomplete_reason, read_at, size, limiter=limiter)
 
     async def _store_all(self, spans: list[Span]) -> list[ChunkEntry]:
         """Entries for every span: reused if stored as they are, else encoded and stored now."""
@@ -531,18 +601,20 @@ class WriteSession:
         await in_parallel(store, todo, self._cfg.fetch_concurrency)
         return [e for e in entries if e is not None]
 
-    async def _commit(self) -> Manifest:
+    async def _commit(self, closing: bool) -> Manifest | None:
         size, mod = self._size, self._mod
+        if closing and self._refused is not None and self._refused[0] == mod:
+            raise IncompleteFile(self._refused[1])  # already recorded as a failed version
         index, points = await self._layout(size)
+        reason = await self._incomplete(size, index)
         spans = cut(size, self._cs, points)
         entries = await self._store_all(spans)
-        version = new_version()
-        if self._committed is not None:
-            version = max(version, self._committed.version + 1)
         manifest = Manifest(path=self.path, size=size, mtime_ns=self._mtime_ns, mode=self.mode,
-                            chunk_size=self._cs, chunks=tuple(entries), version=version,
+                            chunk_size=self._cs, chunks=tuple(entries), version=0,
                             tensor_index=index.to_json() if index else None)
-        await self._catalog.commit(manifest)
+        if reason is not None:
+            return await self._refuse(manifest, mod, reason, closing)
+        manifest = await self._catalog.commit(manifest)
         layout = set(spans)  # uploads outside it: overwritten, or the final layout cut differently
         self._discarded += sum(1 for key, (_, pending) in self._clean.items() if pending and key not in layout)
         self._clean = {span: (entry, False) for span, entry in zip(spans, entries)}
@@ -553,3 +625,20 @@ class WriteSession:
                  size, len(entries), self._uploader.statistics().chunks_new, self._streamed,
                  f", {len(index.tensors)} tensors indexed" if index else "")
         return manifest
+
+    async def _refuse(self, manifest: Manifest, mod: int, reason: str, closing: bool) -> None:
+        """An incomplete checkpoint, its chunks stored: at fsync say nothing (the saver is not done);
+        at close record it as a failed version and fail the close."""
+        if not closing:
+            log.info("%s: fsync of an incomplete file: %d chunks stored, no version recorded (%s)",
+                     self.path, len(manifest.chunks), reason)
+            return None
+        try:
+            failed = await self._catalog.commit_failed(manifest, reason)
+            kept = f"its {manifest.size} bytes are kept as failed version {failed.version}"
+        except StoreError as e:
+            log.warning("%s: could not record the incomplete file as a failed version: %s", self.path, e)
+            kept = "it could not be kept as a failed version"
+        message = f"{self.path}: not committed, the file is incomplete: {reason}; {kept}"
+        self._refused = (mod, message)
+        raise IncompleteFile(message)

@@ -11,7 +11,7 @@ import pytest
 from cpfs import chunk as chunkfmt
 from cpfs.chunking import cut, tensor_boundaries
 from cpfs.errors import CorruptChunk, ManifestError
-from cpfs.manifest import ChunkEntry, Manifest, manifest_key, normalize_path, parent_dirs
+from cpfs.manifest import ChunkEntry, Manifest, Summary, normalize_path, parent_dirs, path_hash
 from cpfs.placement import place
 from cpfs.tensor_index import TensorEntry, TensorIndex
 
@@ -122,6 +122,16 @@ def _manifest(lengths=(100, 50, 200, 1), **kw) -> Manifest:
     return Manifest(**fields)
 
 
+def test_summary_is_the_first_line_and_enough_for_a_listing() -> None:
+    m = _manifest(state="failed", reason="no central directory", writer="ab12", host="node7")
+    data = m.to_bytes()
+    s = Summary.from_bytes(data[:data.index(b"\n") + 1])
+    assert s == m.summary and (s.size, s.version, s.state, s.reason) == (m.size, m.version, "failed",
+                                                                         "no central directory")
+    with pytest.raises(ManifestError):
+        Summary.from_bytes(data[:10])
+
+
 def test_manifest_round_trip() -> None:
     """to_bytes/from_bytes is lossless, including stores, codecs and the tensor index."""
     m = _manifest()
@@ -133,7 +143,9 @@ def test_manifest_round_trip() -> None:
 
 
 def _doc() -> dict:
-    return json.loads(_manifest().to_bytes())
+    """A manifest as one JSON document (the summary line and the body merged; format 1 reads so too)."""
+    head, body = _manifest().to_bytes().split(b"\n")
+    return {**json.loads(body), **json.loads(head)}
 
 
 def _mutations():
@@ -161,13 +173,27 @@ def _mutations():
         "missing-size": drop("size"),
         "missing-chunks": drop("chunks"),
         "missing-version": drop("version"),
-        "format-2": lambda d: d.update(format=2),
+        "format-3": lambda d: d.update(format=3),
         "format-str": lambda d: d.update(format="1"),
         "size-str": lambda d: d.update(size="lots"),
         "path-dotdot": lambda d: d.update(path="/a/../b"),
         "path-root": lambda d: d.update(path="/"),
         "index-not-object": lambda d: d.update(tensor_index=[1, 2]),
         "mode-directory": lambda d: d.update(mode=0o40755),
+        # Out-of-range or mistyped numbers once crashed a whole folder's listing: each is refused.
+        "size-huge": lambda d: d.update(size=2**64, chunks=[]),
+        "size-negative": lambda d: d.update(size=-1, chunks=[]),
+        "size-float": lambda d: d.update(size=float(d["size"])),
+        "size-bool": lambda d: d.update(size=True, chunks=[]),
+        "mtime-huge": lambda d: d.update(mtime_ns=2**70),
+        "version-negative": lambda d: d.update(version=-5),
+        "chunk-size-zero": lambda d: d.update(chunk_size=0),
+        "chunk-huge": chunk(1, 2**40),
+        "stored-much-longer-than-raw": chunk(2, 10**6),
+        "duplicate-stores": chunk(4, ["s0", "s0"]),
+        "state-unknown": lambda d: d.update(state="maybe"),
+        "writer-not-hex": lambda d: d.update(writer="../x"),
+        "reason-not-text": lambda d: d.update(reason=7),
     }
 
 
@@ -221,8 +247,8 @@ def test_normalize_path_refuses(bad) -> None:
 
 def test_manifest_key_and_parents() -> None:
     """Manifest keys are stable per path and distinct between paths; parent_dirs lists the folders."""
-    assert manifest_key("/a/b") == manifest_key("/a/b") != manifest_key("/a/c")
-    assert manifest_key("/a/b").startswith("manifests/") and manifest_key("/a/b").endswith(".json")
+    assert path_hash("/a/b") == path_hash("/a/b") != path_hash("/a/c")
+    assert len(path_hash("/a/b")) == 40
     assert parent_dirs("/a/b/c.pt") == ["/a", "/a/b"]
     assert parent_dirs("/c.pt") == []
 

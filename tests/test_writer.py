@@ -25,6 +25,7 @@ from cpfs.errors import NotFound, StoreError, StoreFull
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
+from cpfs.store import StoreWrapper, open_store
 from cpfs.tensor_index import build_index
 from cpfs.writer import StagingError, WriteSession
 
@@ -267,20 +268,33 @@ async def test_rewrite_after_upload_is_reencoded_at_flush(env: Env) -> None:
 
 # ---------------------------------------------------------------- failures
 
-async def test_store_full_fails_flush_and_keeps_the_committed_version(env: Env, monkeypatch) -> None:
+class FillingStore(StoreWrapper):
+    """A store that refuses every put with StoreFull once `full` is set (a disk filling up)."""
+
+    full = False
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        if self.full:
+            raise StoreFull(self.name, f"no space left writing {key!r}")
+        await self.inner.put(key, data)
+
+
+async def test_store_full_fails_flush_and_keeps_the_committed_version(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path / "cpfs"))
+    stores = [FillingStore(open_store(s)) for s in config.stores]
+    pool = StorePool(config, stores)
+    await pool.check()
+    env = Env(config, pool, Catalog(pool), tmp_path / "cpfs" / "staging", tmp_path / "cpfs" / "stores")
     v1 = await commit_bytes(env, "/ckpt.pt", os.urandom(2 * MiB))
-
-    async def full(key: str, data: bytes) -> None:
-        raise StoreFull("s?", f"no space left writing {key!r}")
-
     async with open_session(env, "/ckpt.pt") as s:
-        for store in env.pool.stores.values():
-            monkeypatch.setattr(store, "put", full)
+        for store in stores:
+            store.full = True
         await s.write(0, os.urandom(3 * MiB))
         with pytest.raises(StoreFull) as failure:
             await s.flush()
         assert failure.value.errno == errno.ENOSPC
-    monkeypatch.undo()
+    for store in stores:
+        store.full = False
     assert (await env.catalog.get("/ckpt.pt")).version == v1.version
 
 
@@ -301,6 +315,7 @@ async def test_stores_vanishing_mid_write_fail_flush_and_a_retry_commits(env: En
         for folder in broken:
             folder.unlink()
             folder.with_suffix(".away").rename(folder)
+        await env.pool.check()  # the stores are back (a daemon's pool.run() probes them as well)
         assert (await env.catalog.get("/run/ckpt.pt")).version == v1.version
         m = await s.flush()  # nothing written was lost: the retry commits it all
     assert await stored_bytes(env.pool, m) == data

@@ -1,0 +1,70 @@
+"""Whether a checkpoint file's bytes reach its end: the writer's guard against committing half a save.
+
+A saver killed mid-save (or a disk that filled up under it) still closes its file: the kernel does it
+for a dead process, and close commits. For most files that is POSIX and right. For a checkpoint it
+replaces a good version with one that no loader can open, so the writer asks `incomplete_reason`
+first and records such bytes as a failed version instead (see cpfs/writer.py).
+
+The formats say where they end, so the check reads only headers and the tail, never the data:
+- a zip (torch.save, numpy.savez: it starts with a local header, b"PK\\x03\\x04") is complete once its
+  end-of-central-directory record ends the file and the central directory it points at fits before
+  that record (the directory is what a zip writer writes last);
+- safetensors (an 8-byte little-endian header length N, then a JSON object of N bytes) is complete
+  once the header is whole and the file reaches the largest `data_offsets` end the header names.
+Anything else (or bytes that only look like those formats at the first byte) is not judged: None.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+
+from .tensor_index import _Malformed, _zip_directory
+
+ReadAt = Callable[[int, int], bytes]
+
+_ZIP_LOCAL = b"PK\x03\x04"
+_ZIP_CENTRAL = b"PK\x01\x02"
+_MAX_SAFETENSORS_HEADER = 100 << 20   # as the indexer: beyond this it is not a safetensors file
+
+
+def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
+    """Why these `size` bytes are an incomplete torch zip or safetensors file; None if they are
+    complete, or not one of those formats. Blocking (reads through `read_at`): run it in a thread."""
+    head = read_at(0, min(size, 9))
+    if head[:4] == _ZIP_LOCAL:
+        return _zip_reason(read_at, size)
+    if len(head) == 9 and head[8:9] == b"{":
+        return _safetensors_reason(read_at, size, struct.unpack_from("<Q", head)[0])
+    return None
+
+
+def _zip_reason(read_at: ReadAt, size: int) -> str | None:
+    try:
+        cd_offset, _, count = _zip_directory(read_at, size)
+    except _Malformed as e:
+        return f"zip of {size} bytes: {e} (the writer stopped before the end)"
+    if count and read_at(cd_offset, 4) != _ZIP_CENTRAL:
+        return f"zip of {size} bytes: no central directory at offset {cd_offset}, where its end record says"
+    return None
+
+
+def _safetensors_reason(read_at: ReadAt, size: int, n: int) -> str | None:
+    if not 0 < n <= _MAX_SAFETENSORS_HEADER:
+        return None            # byte 8 is "{" by chance: not safetensors
+    if 8 + n > size:
+        return f"safetensors of {size} bytes: its header is {n} bytes long but only {size - 8} follow"
+    try:
+        header = json.loads(read_at(8, n))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None            # a whole header that is not JSON: not safetensors after all
+    if not isinstance(header, dict):
+        return None
+    end = 0
+    for name, info in header.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) and name != "__metadata__" else None
+        if isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets):
+            end = max(end, offsets[1])
+    if 8 + n + end > size:
+        return f"safetensors of {size} bytes: its tensors end at byte {8 + n + end}"
+    return None

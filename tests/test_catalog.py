@@ -1,0 +1,216 @@
+"""The catalog: immutable versions, history, failed commits, tombstones, clocks, bad manifests.
+
+Stores are real folder stores; faults come from a wrapper injected into the pool (never a patched store).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from cpfs import chunk as chunkfmt
+from cpfs.catalog import Catalog, Unreadable
+from cpfs.config import parse_config
+from cpfs.errors import ManifestError, NotFound, StoreDenied, StoreError
+from cpfs.manifest import ChunkEntry, Manifest, path_hash
+from cpfs.pool import StorePool
+from cpfs.store.directory import DirectoryStore
+
+
+class RefuseManifests:
+    """Wraps a store; while `refusing`, puts of manifests fail as a full or read-only store would."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.refusing = False
+
+    def __getattr__(self, attr: str):
+        return getattr(self.inner, attr)
+
+    async def put(self, key: str, data) -> None:
+        if self.refusing and key.startswith("manifests/"):
+            raise StoreDenied(self.name, f"refusing {key} (test)")
+        await self.inner.put(key, data)
+
+
+def make_pool(tmp_path: Path, stores: int = 2, replicas: int = 2, keep: int = 3, quorum: int | None = None,
+              wrap=None) -> StorePool:
+    text = (f"replicas = {replicas}\nkeep_versions = {keep}\n"
+            + (f"write_quorum = {quorum}\n" if quorum else "")
+            + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(stores)))
+    config = parse_config(text, "test.toml", tmp_path)
+    built = [DirectoryStore(s.name, s.path) for s in config.stores]
+    return StorePool(config, stores=[wrap(s) for s in built] if wrap else built)
+
+
+async def commit_bytes(catalog: Catalog, path: str, data: bytes) -> Manifest:
+    enc = chunkfmt.encode(data)
+    held, _ = await catalog.pool.store_chunk(enc, catalog.pool.names[:2], quorum=1)
+    m = Manifest(path=path, size=len(data), mtime_ns=1, mode=0o644, chunk_size=1 << 20,
+                 chunks=(ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held)),),
+                 version=0)
+    return await catalog.commit(m)
+
+
+def version_files(tmp_path: Path, store: str, path: str) -> list[str]:
+    folder = tmp_path / store / "manifests" / path_hash(path)
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+async def test_versions_count_up_and_history_keeps_the_newest(tmp_path: Path) -> None:
+    cat = Catalog(make_pool(tmp_path, keep=3))
+    committed = [await commit_bytes(cat, "/run/a.pt", f"v{i}".encode()) for i in range(5)]
+    assert [m.version for m in committed] == [1, 2, 3, 4, 5]
+    assert (await cat.get("/run/a.pt")).version == 5
+    hist = await cat.history("/run/a.pt")
+    assert [i.ref.version for i in hist] == [5, 4, 3] and [i.current for i in hist] == [True, False, False]
+    assert (await cat.get_version("/run/a.pt", 3)).chunks == committed[2].chunks
+    with pytest.raises(NotFound):
+        await cat.get_version("/run/a.pt", 1)     # retired
+    assert len(version_files(tmp_path, "s0", "/run/a.pt")) == 3
+
+
+async def test_a_failed_manifest_commit_keeps_the_previous_version_on_every_store(tmp_path: Path) -> None:
+    """Below write_quorum nothing of the new version stays, and nothing of the old one is lost: the
+    old design overwrote one key per path, so the copies that landed had already replaced it."""
+    wrappers: list[RefuseManifests] = []
+
+    def wrap(store):
+        wrappers.append(RefuseManifests(store))
+        return wrappers[-1]
+
+    cat = Catalog(make_pool(tmp_path, wrap=wrap))
+    v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
+    before = {s: version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1")}
+    wrappers[1].refusing = True        # s0 takes the new manifest, s1 refuses: below quorum
+    with pytest.raises(StoreError):
+        await commit_bytes(cat, "/ckpt.pt", b"new bytes")
+    with pytest.raises(StoreError):    # a chmod/touch-like rewrite takes the same path
+        await cat.commit(dataclasses.replace(v1, mode=0o600))
+    assert {s: version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1")} == before
+    assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
+    wrappers[1].refusing = False
+    assert (await commit_bytes(cat, "/ckpt.pt", b"new bytes")).version == 2
+
+
+async def test_versions_are_counters_not_clocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose clock is years behind still commits a newer version that everyone sees."""
+    ahead, behind = Catalog(make_pool(tmp_path), writer="aa"), Catalog(make_pool(tmp_path), writer="bb")
+    await commit_bytes(ahead, "/f", b"from the host with the right clock")
+    monkeypatch.setattr(time, "time_ns", lambda: 1_000_000_000)      # 1970
+    m = await commit_bytes(behind, "/f", b"from the host whose clock is behind")
+    assert m.version == 2
+    assert (await Catalog(make_pool(tmp_path)).get("/f")).writer == "bb"
+
+
+async def test_two_commits_of_one_version_one_wins_whole(tmp_path: Path) -> None:
+    a, b = Catalog(make_pool(tmp_path), writer="a1"), Catalog(make_pool(tmp_path), writer="b2")
+    async with trio.open_nursery() as n:
+        n.start_soon(commit_bytes, a, "/f", b"A" * 1000)
+        n.start_soon(commit_bytes, b, "/f", b"B" * 1000)
+    cur = await Catalog(make_pool(tmp_path)).get("/f")
+    assert cur.writer in ("a1", "b2") and cur.size == 1000
+
+
+async def test_remove_is_a_tombstone_and_restore_brings_a_version_back(tmp_path: Path) -> None:
+    cat = Catalog(make_pool(tmp_path))
+    v1 = await commit_bytes(cat, "/x", b"one")
+    await commit_bytes(cat, "/x", b"two")
+    await cat.remove("/x")
+    with pytest.raises(NotFound):
+        await cat.get("/x")
+    assert "/x" not in await cat.load_all()
+    states = [i.ref.state for i in await cat.history("/x")]
+    assert states == ["deleted", "ok", "ok"]
+    restored = await cat.restore("/x", 1)
+    assert restored.version == 4 and restored.chunks == v1.chunks
+    assert (await cat.get("/x")).chunks == v1.chunks
+
+
+async def test_a_failed_version_is_kept_but_never_current(tmp_path: Path) -> None:
+    cat = Catalog(make_pool(tmp_path))
+    good = await commit_bytes(cat, "/m.pt", b"complete")
+    partial = dataclasses.replace(good, size=0, chunks=())
+    failed = await cat.commit_failed(partial, "torch zip without its central directory")
+    assert failed.version == 2 and failed.state == "failed"
+    assert (await cat.get("/m.pt")).version == 1
+    assert (await cat.load_all())["/m.pt"].version == 1
+    hist = await cat.history("/m.pt")
+    assert [(i.ref.state, i.current) for i in hist] == [("failed", False), ("ok", True)]
+    assert hist[0].summary.reason == "torch zip without its central directory"
+    assert (await cat.get_version("/m.pt", 2)).state == "failed"
+
+
+async def test_an_unreadable_manifest_hides_only_its_own_file(tmp_path: Path) -> None:
+    """Corrupt or out-of-range manifests on every replica: that file is Unreadable (EIO when opened),
+    its neighbours list and read as before."""
+    cat = Catalog(make_pool(tmp_path))
+    for name in ("a", "b", "c"):
+        await commit_bytes(cat, f"/dir/{name}", name.encode())
+    await commit_bytes(cat, "/dir/b", b"b2")
+    for store in ("s0", "s1"):
+        folder = tmp_path / store / "manifests" / path_hash("/dir/b")
+        newest = sorted(folder.iterdir())[-1]
+        head, body = newest.read_bytes().split(b"\n")
+        doc = json.loads(head)
+        doc["size"] = 2**64                       # out of range: once made the whole folder unlistable
+        newest.write_bytes(json.dumps(doc).encode() + b"\n" + body)
+    fresh = Catalog(make_pool(tmp_path))
+    listing = await fresh.load_all()
+    assert isinstance(listing["/dir/b"], Unreadable) and "size" in listing["/dir/b"].reason
+    assert listing["/dir/a"].size == 1 and listing["/dir/c"].size == 1
+    with pytest.raises(ManifestError):
+        await fresh.get("/dir/b")
+    await fresh.remove("/dir/b")                  # and it can still be removed
+    assert "/dir/b" not in await fresh.load_all()
+
+
+async def test_one_corrupt_replica_of_a_manifest_is_read_from_the_other(tmp_path: Path) -> None:
+    cat = Catalog(make_pool(tmp_path))
+    m = await commit_bytes(cat, "/f", b"data")
+    (f,) = (tmp_path / "s0" / "manifests" / path_hash("/f")).iterdir()
+    f.write_bytes(b"{not json")
+    assert (await Catalog(make_pool(tmp_path)).get("/f")).chunks == m.chunks
+
+
+async def test_format_1_manifests_are_migrated_to_version_keys(tmp_path: Path) -> None:
+    cat = Catalog(make_pool(tmp_path))
+    m = await commit_bytes(cat, "/old.pt", b"from an older cpfs")
+    head, body = m.to_bytes().split(b"\n")
+    doc = {**json.loads(body), **json.loads(head)}
+    doc.update(format=1, version=1_700_000_000_000_000_000)
+    for k in ("writer", "host", "committed_ns", "state", "reason"):
+        doc.pop(k)
+    for store in ("s0", "s1"):
+        folder = tmp_path / store / "manifests"
+        for p in (folder / path_hash("/old.pt")).iterdir():
+            p.unlink()
+        (folder / path_hash("/old.pt")).rmdir()
+        (folder / f"{path_hash('/old.pt')}.json").write_text(json.dumps(doc))
+    fresh = Catalog(make_pool(tmp_path))
+    assert (await fresh.manifest((await fresh.load_all())["/old.pt"])).chunks == m.chunks
+    for store in ("s0", "s1"):
+        assert not (tmp_path / store / "manifests" / f"{path_hash('/old.pt')}.json").exists()
+        assert version_files(tmp_path, store, "/old.pt") == ["01700000000000000000..ok.json"]
+    assert (await commit_bytes(fresh, "/old.pt", b"newer")).version == 1_700_000_000_000_000_001
+
+
+async def test_files_are_listed_without_refetching_known_versions(tmp_path: Path) -> None:
+    """Keys are immutable: a second listing reads only the summaries it has not seen, and a listing
+    never reads a whole manifest."""
+    cat = Catalog(make_pool(tmp_path))
+    for i in range(5):
+        await commit_bytes(cat, f"/f{i}", os.urandom(10))
+    reader = Catalog(make_pool(tmp_path))
+    await reader.load_all()
+    first = reader.statistics()
+    assert first.summaries == 5 and first.fetched == 0
+    await commit_bytes(cat, "/f0", b"new")
+    assert (await reader.load_all())["/f0"].size == 3
+    assert reader.statistics().summaries == 6 and reader.statistics().fetched == 0

@@ -1,0 +1,479 @@
+"""A killed saver or a full staging disk never commits a truncated file over the previous version.
+
+Three layers: `incomplete_reason` on the bytes of real torch.save / safetensors files cut at every
+interesting point; WriteSession without a kernel (poisoned sessions, failed versions, fsync mid-save);
+and real mounts, where the kernel closes a killed saver's file and the staging folder is a small tmpfs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from cpfs.completeness import incomplete_reason
+from cpfs.errors import ChunkUnavailable, IncompleteFile, NotFound, WriteFailed
+from cpfs.tensor_index import build_index
+from cpfs.writer import StagingError
+from test_write_mount import assert_same, config, expected_of_save, rand_bytes, wait_for
+from test_writer import Env, commit_bytes, make_env, model, open_session, stored_bytes
+from tests.conftest import ROOT, cpfs
+
+MiB = 1024 * 1024
+
+
+def torch_bytes(sd: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def reader(data: bytes, counter: list[int] | None = None) -> Callable[[int, int], bytes]:
+    def read_at(offset: int, length: int) -> bytes:
+        if counter is not None:
+            counter.append(length)
+        return data[offset:offset + length]
+    return read_at
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> Env:
+    return await make_env(tmp_path / "cpfs")
+
+
+@pytest.fixture
+def tmpfs() -> Iterator[Callable[[Path, int], Path]]:
+    """tmpfs(path, size): a tmpfs of `size` bytes mounted at `path` (root only), unmounted at teardown.
+    Request it before `mount`, so that it comes down after the mounts that stage on it."""
+    mounted: list[Path] = []
+
+    def make(path: Path, size: int) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# incomplete_reason on real files
+
+def test_every_prefix_of_a_torch_zip_is_incomplete_and_the_whole_file_is_not() -> None:
+    blob = torch_bytes(model(layers=2, width=64))
+    index = build_index(reader(blob), len(blob))
+    assert index is not None
+    cuts = {4, 30, 100, len(blob) // 2, index.directory_offset, len(blob) - 22, len(blob) - 1}
+    cuts |= {r.offset for r in index.records} | {r.offset + r.length for r in index.records}
+    cuts |= set(range(index.directory_offset - 64, len(blob)))       # every byte of the directory and tail
+    cuts |= set(random.Random(1).sample(range(4, len(blob)), 300))
+    complete = [n for n in sorted(cuts) if 4 <= n < len(blob) and incomplete_reason(reader(blob[:n]), n) is None]
+    assert complete == []
+    assert incomplete_reason(reader(blob), len(blob)) is None
+    assert "end-of-central-directory" in incomplete_reason(reader(blob[:-22]), len(blob) - 22)
+
+
+def test_every_prefix_of_a_safetensors_file_is_incomplete_and_the_whole_file_is_not() -> None:
+    blob = safetensors.torch.save(model(layers=2, width=64))
+    header = 8 + int.from_bytes(blob[:8], "little")
+    cuts = set(range(9, header + 16)) | set(range(len(blob) - 16, len(blob)))
+    cuts |= set(random.Random(2).sample(range(9, len(blob)), 300))
+    reasons = {n: incomplete_reason(reader(blob[:n]), n) for n in sorted(cuts) if n < len(blob)}
+    assert [n for n, why in reasons.items() if why is None] == []
+    assert "header" in reasons[header - 1] and "tensors end at" in reasons[header + 1]
+    assert incomplete_reason(reader(blob), len(blob)) is None
+
+
+def test_other_files_are_not_judged() -> None:
+    zipped = io.BytesIO()
+    with zipfile.ZipFile(zipped, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("notes.txt", b"words " * 10_000)
+    samples = {
+        "random bytes": rand_bytes(MiB, 3),
+        "text with a brace at byte 8": b"abcdefgh{ not a header } " * 100,
+        "tiny": b"PK\x03",
+        "a complete deflated zip": zipped.getvalue(),
+        "a JSON document": json.dumps({"a": list(range(1000))}).encode(),
+    }
+    assert {name: incomplete_reason(reader(b), len(b)) for name, b in samples.items()} == \
+           {name: None for name in samples}
+    cut = zipped.getvalue()[:-1]
+    assert incomplete_reason(reader(cut), len(cut)) is not None     # any zip counts, not only torch's
+
+
+def test_the_check_reads_only_headers_and_the_tail() -> None:
+    """A 64 MiB checkpoint: about 64 KiB read, whatever the file's size."""
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(4 * MiB // 4, generator=g) for i in range(16)}
+    for blob in (torch_bytes(sd), safetensors.torch.save(sd)):
+        for size in (len(blob), len(blob) // 2):
+            reads: list[int] = []
+            incomplete_reason(reader(blob[:size], reads), size)
+            assert sum(reads) <= 70_000, (size, reads)
+
+
+# ---------------------------------------------------------------------------------------------------
+# WriteSession: a failed write poisons the open file
+
+async def test_a_write_that_fills_the_staging_disk_poisons_the_session(tmp_path: Path, tmpfs) -> None:
+    env = await make_env(tmp_path / "cpfs")
+    v1 = await commit_bytes(env, "/ckpt.bin", rand_bytes(MiB, 1))
+    env = dataclasses.replace(env, staging=tmpfs(tmp_path / "small", 4 * MiB))
+    data = rand_bytes(8 * MiB, 2)
+    async with open_session(env, "/ckpt.bin") as s:
+        with pytest.raises(StagingError) as full:
+            for off in range(0, len(data), MiB):
+                await s.write(off, data[off:off + MiB])
+        assert full.value.errno == errno.ENOSPC
+        for attempt in (lambda: s.flush(closing=False), s.flush, s.flush,     # fsync, close, close
+                        lambda: s.write(0, b"x"), lambda: s.truncate(0)):
+            with pytest.raises(WriteFailed) as refused:
+                await attempt()
+            assert refused.value.errno == errno.ENOSPC
+        assert await s.read(0, 100) == data[:100]     # reads still see what was written
+    assert (await env.catalog.get("/ckpt.bin")).version == v1.version
+    assert [i.ref.state for i in await env.catalog.history("/ckpt.bin")] == ["ok"]
+
+
+@pytest.mark.parametrize("change", ["write", "truncate"])
+async def test_a_base_chunk_that_cannot_be_fetched_poisons_the_session(env: Env, change: str) -> None:
+    """Overwriting part of a chunk of the committed version needs that chunk; if no store gives it, the
+    write or truncate fails, and so does every later fsync and close. A failed read poisons nothing."""
+    old = rand_bytes(3 * MiB, 1)
+    v1 = await commit_bytes(env, "/m.bin", old)
+
+    async def fetch(i: int) -> bytes:
+        raise ChunkUnavailable(f"/m.bin chunk {i}: no store has it (test)")
+
+    async with open_session(env, "/m.bin", base=v1, fetch=fetch) as s:
+        with pytest.raises(ChunkUnavailable):
+            await s.read(0, 10)
+        assert await s.flush() is v1                      # nothing changed: the no-op it always was
+        with pytest.raises(ChunkUnavailable):
+            if change == "write":
+                await s.write(MiB + 10, b"patch")
+            else:
+                await s.truncate(MiB + 10)
+        for closing in (False, True):
+            with pytest.raises(WriteFailed) as refused:
+                await s.flush(closing=closing)
+            assert refused.value.errno == errno.EIO and "previous version stays current" in str(refused.value)
+    assert (await env.catalog.get("/m.bin")).version == v1.version
+
+
+# ---------------------------------------------------------------------------------------------------
+# WriteSession: format-aware commit
+
+def cut_torch(fraction: str) -> Callable[[bytes], int]:
+    def where(blob: bytes) -> int:
+        index = build_index(reader(blob), len(blob))
+        return {"half": len(blob) // 2, "no end record": len(blob) - 22,
+                "in the directory": index.directory_offset + 10}[fraction]
+    return where
+
+
+def cut_safetensors(fraction: str) -> Callable[[bytes], int]:
+    def where(blob: bytes) -> int:
+        header = 8 + int.from_bytes(blob[:8], "little")
+        return {"in the header": header // 2, "half": len(blob) // 2, "last byte": len(blob) - 1}[fraction]
+    return where
+
+
+CUTS = [("torch", cut_torch(f), f) for f in ("half", "no end record", "in the directory")] + \
+       [("safetensors", cut_safetensors(f), f) for f in ("in the header", "half", "last byte")]
+
+
+@pytest.mark.parametrize("fmt, where, label", CUTS, ids=[f"{c[0]}-{c[2]}" for c in CUTS])
+async def test_an_incomplete_checkpoint_is_kept_as_a_failed_version(env: Env, caplog, fmt, where, label) -> None:
+    save = torch_bytes if fmt == "torch" else safetensors.torch.save
+    path = "/run/ckpt.pt" if fmt == "torch" else "/run/model.safetensors"
+    v1 = await commit_bytes(env, path, save(model(layers=3, width=128, seed=1)))
+    new = save(model(layers=3, width=128, seed=2))
+    partial = new[:where(new)]
+    async with open_session(env, path) as s:
+        for off in range(0, len(partial), 128 * 1024):         # as the kernel hands it over
+            await s.write(off, partial[off:off + 128 * 1024])
+        with pytest.raises(IncompleteFile) as refused:
+            await s.flush()
+        assert refused.value.errno == errno.EIO
+        with pytest.raises(IncompleteFile):                     # a second close: refused, not recorded again
+            await s.flush()
+    assert (await env.catalog.get(path)).version == v1.version
+    history = await env.catalog.history(path)
+    assert [(i.ref.state, i.current) for i in history] == [("failed", False), ("ok", True)]
+    failed = await env.catalog.get_version(path, history[0].ref.version)
+    assert failed.state == "failed" and failed.size == len(partial) and failed.reason in str(refused.value)
+    assert ("zip" if fmt == "torch" else "safetensors") in failed.reason
+    assert await stored_bytes(env.pool, failed) == partial     # the partial bytes, kept for inspection
+    assert f"{path}: not committed, the file is incomplete" in caplog.text
+
+
+async def test_fsync_of_a_half_written_zip_stores_chunks_and_commits_nothing(env: Env) -> None:
+    blob = torch_bytes(model(layers=4, width=192, seed=3))
+    half = len(blob) // 2
+    async with open_session(env, "/run/step_1.pt") as s:
+        await s.write(0, blob[:half])
+        assert await s.flush(closing=False) is None             # fsync mid-save: success, no version
+        mid = s.statistics()
+        assert mid.commits == 0 and mid.chunks_uploaded >= half // env.config.chunk_size
+        assert await env.catalog.history("/run/step_1.pt") == []
+        with pytest.raises(NotFound):
+            await env.catalog.get("/run/step_1.pt")
+        await s.write(half, blob[half:])
+        m = await s.flush()                                      # close: the complete file commits
+        end = s.statistics()
+    assert m is not None and m.tensor_index is not None
+    assert await stored_bytes(env.pool, m) == blob
+    # The fsync's chunks were not stored again: at most its last one (cut at the half) was superseded.
+    assert end.commits == 1 and end.chunks_discarded <= 1 and end.chunks_uploaded <= len(m.chunks) + 1
+    loaded = torch.load(io.BytesIO(blob), weights_only=True)
+    assert_same(torch.load(io.BytesIO(await stored_bytes(env.pool, m)), weights_only=True), loaded)
+
+
+async def test_a_plain_file_cut_short_still_commits(env: Env) -> None:
+    """POSIX for everything that is not a checkpoint: what was written is the file, at fsync and close."""
+    v1 = await commit_bytes(env, "/logs/train.log", b"step 1 loss 2.0\n" * 100_000)
+    new = b"step 2 loss 1.5\n" * 200_000
+    async with open_session(env, "/logs/train.log") as s:
+        await s.write(0, new[:MiB])
+        synced = await s.flush(closing=False)
+        assert synced is not None and synced.size == MiB
+        await s.write(MiB, new[MiB:MiB + 1000])
+        m = await s.flush()
+    assert (await env.catalog.get("/logs/train.log")).version == m.version > synced.version > v1.version
+    assert await stored_bytes(env.pool, m) == new[:MiB + 1000]
+    assert [(i.ref.state, i.current) for i in await env.catalog.history("/logs/train.log")] == \
+           [("ok", True), ("ok", False), ("ok", False)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# real mounts
+
+STALL = """
+import os, sys, time
+import numpy as np
+import safetensors.torch
+import torch
+sys.path.insert(0, "tests")
+from test_write_mount import expected_of_save
+kind, path, seed, nbytes, stall_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+
+
+class Stalling:
+    '''A file on the mount whose writer stops for good once `stall_at` bytes are written.'''
+
+    def __init__(self):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.n = 0
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        room = stall_at - self.n
+        part = view[:room] if len(view) >= room else view
+        while part:
+            done = os.write(self.fd, part)
+            part, self.n = part[done:], self.n + done
+        if self.n >= stall_at:
+            print("stalled", flush=True)
+            time.sleep(600)
+        return len(view)
+
+    def flush(self):
+        pass
+
+
+f = Stalling()
+if kind == "torch":
+    torch.save(expected_of_save(nbytes, seed, per=4 << 20), f)
+elif kind == "safetensors":
+    blob = safetensors.torch.save(expected_of_save(nbytes, seed, per=4 << 20))
+    for off in range(0, len(blob), 1 << 20):
+        f.write(blob[off:off + (1 << 20)])
+else:
+    f.write(np.random.default_rng(seed).bytes(nbytes))
+print("finished", flush=True)
+"""
+
+
+def stalled_writer(kind: str, path: Path, seed: int, nbytes: int, stall_at: int) -> subprocess.Popen:
+    """A child that writes `path` (a torch.save, a safetensors file in 1 MiB pieces, or plain bytes)
+    and stops for good after `stall_at` bytes, saying "stalled": then the test kills it."""
+    return subprocess.Popen([sys.executable, "-c", STALL, kind, str(path), str(seed), str(nbytes), str(stall_at)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def kill_when_stalled(child: subprocess.Popen) -> None:
+    try:
+        assert child.stdout.readline().strip() == "stalled", child.stderr.read()
+        os.kill(child.pid, signal.SIGKILL)                 # the kernel closes its file: flush, release
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+
+def log(cfg: Path, path: str) -> list[dict]:
+    return json.loads(cpfs("log", path, "--json", config=cfg).stdout)
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("kind", ["torch", "safetensors"])
+def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_path, mount, kind) -> None:
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    name = "ckpt.pt" if kind == "torch" else "model.safetensors"
+    v1 = expected_of_save(16 * MiB, seed=1, per=4 * MiB)
+    if kind == "torch":
+        torch.save(v1, m.path / name)
+    else:
+        safetensors.torch.save_file(v1, m.path / name)
+    first = log(cfg, name)
+    kill_when_stalled(stalled_writer(kind, m.path / name, seed=2, nbytes=48 * MiB, stall_at=24 * MiB))
+
+    assert wait_for(lambda: log(cfg, name)[0]["state"] == "failed", timeout=30), log(cfg, name)
+    rows = log(cfg, name)
+    assert [(r["state"], r["current"]) for r in rows] == [("failed", False), ("ok", True)]
+    assert rows[1]["version"] == first[0]["version"]
+    assert rows[0]["size"] == 24 * MiB and rows[0]["reason"]
+    print(f"\nkilled {kind} save: {rows[0]['reason']}")
+    load = (lambda p: torch.load(p, weights_only=True)) if kind == "torch" else safetensors.torch.load_file
+    assert_same(load(m.path / name), v1)
+    assert_same(load(mount(cfg, "fresh").path / name), v1)
+    assert "not committed, the file is incomplete" in m.log.read_text()
+
+
+@pytest.mark.mount
+def test_a_saver_killed_before_its_first_byte_leaves_the_previous_version(make_config, tmp_path, mount) -> None:
+    """open(O_TRUNC) over a checkpoint, then killed before writing: the empty file is a failed version,
+    the checkpoint stays current. An explicit truncate(2) to zero still empties the file (POSIX)."""
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    v1 = expected_of_save(8 * MiB, seed=1, per=4 * MiB)
+    torch.save(v1, m.path / "ckpt.pt")
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'wb'); "
+                              "print('opened', flush=True); time.sleep(60)", str(m.path / "ckpt.pt")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "opened"
+    finally:
+        child.kill()
+        child.wait()
+    assert wait_for(lambda: log(cfg, "ckpt.pt")[0]["state"] == "failed", timeout=30), log(cfg, "ckpt.pt")
+    assert [(r["state"], r["size"]) for r in log(cfg, "ckpt.pt")][:2] == [("failed", 0), ("ok", (m.path / "ckpt.pt").stat().st_size)]
+    assert_same(torch.load(m.path / "ckpt.pt", weights_only=True), v1)
+    os.truncate(m.path / "ckpt.pt", 0)
+    assert (m.path / "ckpt.pt").stat().st_size == 0 and log(cfg, "ckpt.pt")[0]["state"] == "ok"
+
+
+@pytest.mark.mount
+def test_a_full_staging_disk_gives_enospc_at_write_and_close(make_config, tmp_path, tmpfs, mount) -> None:
+    tmpfs(tmp_path / "staging", 16 * MiB)
+    cfg = config(make_config, tmp_path)                  # stages under tmp_path/staging: the tmpfs
+    m = mount(cfg)
+    old = rand_bytes(8 * MiB, 1)
+    (m.path / "ckpt.bin").write_bytes(old)
+    first = log(cfg, "ckpt.bin")
+    new = rand_bytes(64 * MiB, 2)
+    fd = os.open(m.path / "ckpt.bin", os.O_WRONLY | os.O_TRUNC)
+    written = 0
+    try:
+        with pytest.raises(OSError) as full:
+            while written < len(new):
+                written += os.write(fd, new[written:written + MiB])
+    finally:
+        with pytest.raises(OSError) as closing:
+            os.close(fd)
+    assert full.value.errno == errno.ENOSPC and written <= 16 * MiB
+    print(f"\nstaging full after {written / MiB:.1f} MiB: write {full.value!r}, close {closing.value!r}")
+    assert closing.value.errno == errno.ENOSPC
+
+    assert (m.path / "ckpt.bin").read_bytes() == old
+    assert log(cfg, "ckpt.bin") == first                 # no new version of any kind
+    (m.path / "small.bin").write_bytes(b"fits")          # the staging space came back
+    fresh = mount(cfg, "fresh")
+    assert (fresh.path / "ckpt.bin").read_bytes() == old and (fresh.path / "small.bin").read_bytes() == b"fits"
+    assert "will not commit" in m.log.read_text()
+
+
+@pytest.mark.mount
+def test_a_plain_file_cut_short_by_a_killed_writer_commits(make_config, tmp_path, mount) -> None:
+    """Not a checkpoint: POSIX. What the killed writer wrote is the new version; history keeps the old."""
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    old = rand_bytes(6 * MiB, 1)
+    (m.path / "data.bin").write_bytes(old)
+    kill_when_stalled(stalled_writer("plain", m.path / "data.bin", seed=2, nbytes=12 * MiB, stall_at=5 * MiB))
+    assert wait_for(lambda: len(log(cfg, "data.bin")) == 2, timeout=30), log(cfg, "data.bin")
+    rows = log(cfg, "data.bin")
+    assert [(r["state"], r["current"], r["size"]) for r in rows] == [("ok", True, 5 * MiB), ("ok", False, 6 * MiB)]
+    want = rand_bytes(12 * MiB, 2)[:5 * MiB]
+    assert (m.path / "data.bin").read_bytes() == want
+    assert cpfs("cat", "data.bin", "--version", str(rows[1]["version"]), config=cfg).stdout == old
+
+
+SYNC_WRITER = """
+import os, sys
+src, dst = sys.argv[1], sys.argv[2]
+blob = open(src, "rb").read()
+half = len(blob) // 2
+with open(dst, "wb", buffering=0) as f:
+    for off in range(0, half, 1 << 20):
+        f.write(blob[off:min(off + (1 << 20), half)])
+    os.fsync(f.fileno())
+    print("synced", flush=True)
+    sys.stdin.readline()
+    for off in range(half, len(blob), 1 << 20):
+        f.write(blob[off:off + (1 << 20)])
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.mount
+def test_fsync_mid_save_commits_nothing_and_close_commits(make_config, tmp_path, mount) -> None:
+    """The writer is another process: the test's own children (cpfs log) would close an fd it held,
+    and every close of a descriptor is a flush."""
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    v1, v2 = expected_of_save(8 * MiB, seed=1, per=2 * MiB), expected_of_save(24 * MiB, seed=2, per=2 * MiB)
+    torch.save(v1, m.path / "ckpt.pt")
+    first = log(cfg, "ckpt.pt")
+    src = tmp_path / "v2.pt"
+    src.write_bytes(torch_bytes(v2))
+    writer = subprocess.Popen([sys.executable, "-c", SYNC_WRITER, str(src), str(m.path / "ckpt.pt")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "synced", writer.stderr.read()   # fsync: no error
+        assert log(cfg, "ckpt.pt") == first               # and no version, not even a failed one
+        assert_same(torch.load(mount(cfg, "other").path / "ckpt.pt", weights_only=True), v1)
+        out, err = writer.communicate("go on\n", timeout=60)
+        assert writer.returncode == 0 and out.strip() == "closed", err
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    rows = log(cfg, "ckpt.pt")
+    assert [(r["state"], r["current"]) for r in rows] == [("ok", True), ("ok", False)]
+    assert rows[0]["size"] == src.stat().st_size
+    assert_same(torch.load(m.path / "ckpt.pt", weights_only=True), v2)
+    assert_same(torch.load(mount(cfg, "fresh").path / "ckpt.pt", weights_only=True), v2)
+    assert "fsync of an incomplete file" in m.log.read_text()

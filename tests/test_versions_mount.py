@@ -1,0 +1,143 @@
+"""Versions through real mounts: an open handle keeps its version, rename over a committed file, bad
+manifests, and `cpfs log`/`restore`/`cat --version` on what mounts committed."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpfs.manifest import path_hash
+from tests.conftest import cpfs
+
+pytestmark = pytest.mark.mount
+MiB = 1024 * 1024
+
+
+def config(make_config: Callable[..., Path], tmp_path: Path, push: bool = True) -> Path:
+    return make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\nrefresh = "0.2s"\n'
+                             f'notify_store = {"true" if push else "false"}\n')
+
+
+def put(cfg: Path, tmp_path: Path, path: str, data: bytes) -> None:
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    cpfs("put", str(src), path, config=cfg)
+
+
+def cat(cfg: Path, path: str, *extra: str) -> bytes:
+    return cpfs("cat", path, *extra, config=cfg).stdout
+
+
+def log(cfg: Path, path: str) -> list[dict]:
+    return json.loads(cpfs("log", path, "--json", config=cfg).stdout)
+
+
+@pytest.mark.parametrize("push", [True, False], ids=["push", "no-push"])
+def test_an_open_handle_reads_the_version_it_opened(make_config, tmp_path, mount, push):
+    """Another process commits version 2 while a reader holds version 1 open: the reader reads version 1
+    to the end (never a mix); a new open reads version 2."""
+    cfg = config(make_config, tmp_path, push)
+    rng = np.random.default_rng(6)
+    v1, v2 = rng.bytes(24 * MiB), rng.bytes(24 * MiB)
+    put(cfg, tmp_path, "/run/ckpt.pt", v1)
+    m = mount(cfg)
+    f = m.path / "run" / "ckpt.pt"
+    with open(f, "rb", buffering=0) as old:
+        head = old.read(MiB)
+        ino1 = os.fstat(old.fileno()).st_ino
+        put(cfg, tmp_path, "/run/ckpt.pt", v2)          # committed by another process (the CLI)
+        time.sleep(0.5)                                  # past the mount's refresh interval
+        with open(f, "rb") as new:
+            assert new.read() == v2
+            ino2 = os.fstat(new.fileno()).st_ino
+        rest = old.read()
+        assert head + rest == v1, "the old handle read bytes of another version"
+        assert ino2 != ino1               # each version its own inode, so page caches never mix
+        assert os.fstat(old.fileno()).st_size == len(v1)
+    assert f.read_bytes() == v2
+
+
+def test_rename_of_an_uncommitted_file_over_a_committed_one_keeps_the_target_until_commit(
+        make_config, tmp_path, mount):
+    """os.rename(tmp, target) while tmp is still open and never committed: the target's committed
+    version stays on the stores; a daemon killed before the commit leaves the target as it was."""
+    cfg = config(make_config, tmp_path)
+    put(cfg, tmp_path, "/target.pt", b"the last good checkpoint" * 1000)
+    m = mount(cfg)
+    # The writer is another process: a fork of the test (cpfs cat) would close, and so flush, its fd.
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        f"fd = os.open({str(m.path / 'tmp.pt')!r}, os.O_WRONLY | os.O_CREAT, 0o644)\n"
+        "os.write(fd, b'half a new checkpoint')\n"
+        f"os.rename({str(m.path / 'tmp.pt')!r}, {str(m.path / 'target.pt')!r})\n"
+        "print('renamed', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "renamed"
+        assert cat(cfg, "/target.pt") == b"the last good checkpoint" * 1000
+        os.kill(m.pid, signal.SIGKILL)
+    finally:
+        writer.kill()
+        writer.wait()
+    deadline = time.monotonic() + 10
+    while m.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
+    m2 = mount(cfg, "mnt2")
+    assert (m2.path / "target.pt").read_bytes() == b"the last good checkpoint" * 1000
+    assert not (m2.path / "tmp.pt").exists()
+    # Without the crash, the renamed file's close makes it the target's next version.
+    with open(m2.path / "tmp2.pt", "wb") as w:
+        w.write(b"complete new bytes")
+        os.rename(m2.path / "tmp2.pt", m2.path / "target.pt")
+    assert cat(cfg, "/target.pt") == b"complete new bytes"
+    assert [r["state"] for r in log(cfg, "/target.pt")][:2] == ["ok", "ok"]
+
+
+def test_a_bad_manifest_makes_only_its_file_unreadable(make_config, tmp_path, mount):
+    """Every replica of one file's newest manifest damaged: that file gives EIO, its folder lists, its
+    neighbours read; `cpfs log` names the problem and `cpfs restore` brings the last good version back."""
+    cfg = config(make_config, tmp_path)
+    for name in ("a", "b", "c"):
+        put(cfg, tmp_path, f"/dir/{name}.bin", name.encode() * 100)
+    put(cfg, tmp_path, "/dir/b.bin", b"B" * 100)
+    for folder in (tmp_path / "cfg" / "stores").glob(f"*/manifests/{path_hash('/dir/b.bin')}"):
+        newest = sorted(folder.iterdir())[-1]
+        head, body = newest.read_bytes().split(b"\n")
+        doc = json.loads(head)
+        doc["size"] = 2**64
+        newest.write_bytes(json.dumps(doc).encode() + b"\n" + body)
+    m = mount(cfg)
+    assert sorted(os.listdir(m.path / "dir")) == ["a.bin", "b.bin", "c.bin"]
+    assert (m.path / "dir" / "a.bin").read_bytes() == b"a" * 100
+    assert (m.path / "dir" / "c.bin").read_bytes() == b"c" * 100
+    with pytest.raises(OSError) as e:
+        (m.path / "dir" / "b.bin").read_bytes()
+    assert e.value.errno == errno.EIO
+    assert "b.bin" in m.log.read_text() and "size" in m.log.read_text()
+    rows = log(cfg, "/dir/b.bin")
+    assert rows[0]["state"] == "unreadable" and rows[1]["state"] == "ok"
+    cpfs("restore", "/dir/b.bin", str(rows[1]["version"]), config=cfg)
+    time.sleep(0.5)
+    os.listdir(m.path / "dir")              # a listing refreshes the mount's view
+    assert (m.path / "dir" / "b.bin").read_bytes() == b"b" * 100
+
+
+def test_log_and_cat_version_show_what_a_mount_committed(make_config, tmp_path, mount):
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    for i in range(4):
+        (m.path / "notes.txt").write_bytes(f"version {i}\n".encode())
+    rows = log(cfg, "/notes.txt")
+    assert [r["current"] for r in rows] == [True, False, False]          # keep_versions = 3
+    assert all(r["state"] == "ok" and r["host"] for r in rows)
+    assert cat(cfg, "/notes.txt", "--version", str(rows[2]["version"])) == b"version 1\n"
