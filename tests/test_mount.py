@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, cpfs, write_config
+from tests.s3server import S3_LAYOUTS, s3_server, write_s3_config  # noqa: F401  (s3_server: a fixture)
 
 pytestmark = pytest.mark.mount
 
@@ -68,8 +69,21 @@ def imported(make_config, source: Path) -> Path:
     return cfg
 
 
-def test_every_file_reads_back_byte_exact(imported, source, mount):
-    m = mount(imported)
+@pytest.fixture(params=["folders", *S3_LAYOUTS])
+def imported_any(request: pytest.FixtureRequest, make_config, source: Path, tmp_path: Path) -> Path:
+    """The same files on three folder stores, on two buckets of a loopback S3 server, or on a folder
+    and a bucket: the read tests run over each."""
+    if request.param == "folders":
+        cfg = make_config()
+    else:
+        cfg, _ = write_s3_config(request.getfixturevalue("s3_server"), tmp_path / "s3cfg", request.param)
+    cpfs("put", str(source / "run1"), "run1", config=cfg)
+    cpfs("put", str(source / "tiny.txt"), config=cfg)
+    return cfg
+
+
+def test_every_file_reads_back_byte_exact(imported_any, source, mount):
+    m = mount(imported_any)
     for f in sorted(p for p in source.rglob("*") if p.is_file()):
         rel = f.relative_to(source)
         assert sha(m.path / rel) == sha(f), rel
@@ -89,8 +103,8 @@ def test_every_file_reads_back_byte_exact(imported, source, mount):
     assert dd.stdout == (source / "run1/deep/er/odd.bin").read_bytes()[1 << 20:2 << 20]
 
 
-def test_torch_load_equals_originals_plain_and_mmap(imported, source, mount):
-    m = mount(imported)
+def test_torch_load_equals_originals_plain_and_mmap(imported_any, source, mount):
+    m = mount(imported_any)
     for name, seed in (("step_100.pt", 0), ("step_200.pt", 1)):
         want = state_dict(seed)
         for use_mmap in (False, True):
@@ -108,10 +122,10 @@ def test_mmap_of_a_mounted_file(imported, source, mount):
             assert mm[off:off + 10] == src[off:off + 10]
 
 
-def test_safetensors_random_tensors(imported, mount):
+def test_safetensors_random_tensors(imported_any, mount):
     from safetensors import safe_open
 
-    m = mount(imported)
+    m = mount(imported_any)
     want = state_dict(2)
     keys = list(want)
     random.Random(5).shuffle(keys)
@@ -120,8 +134,8 @@ def test_safetensors_random_tensors(imported, mount):
             assert torch.equal(f.get_tensor(k), want[k]), k
 
 
-def test_sixteen_threads_of_random_preads(imported, source, mount):
-    m = mount(imported)
+def test_sixteen_threads_of_random_preads(imported_any, source, mount):
+    m = mount(imported_any)
     src = (source / "run1" / "step_200.pt").read_bytes()
     errors: list[str] = []
 

@@ -1,0 +1,99 @@
+"""Several daemons over the same stores, as several nodes would mount them."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import cpfs
+
+pytestmark = pytest.mark.mount
+MiB = 1024 * 1024
+
+
+def config(make_config: Callable[..., Path], tmp_path: Path, refresh: str) -> Path:
+    return make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\nrefresh = "{refresh}"\n')
+
+
+def wait_for(what: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if what():
+                return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_a_new_file_is_seen_at_once_by_a_lookup_in_another_mount(make_config, tmp_path, mount):
+    """With a refresh interval of a minute, another mount still finds a new file on its first lookup."""
+    cfg = config(make_config, tmp_path, "60s")
+    a, b = mount(cfg, "a"), mount(cfg, "b")
+    (a.path / "run").mkdir()
+    (a.path / "run" / "first.bin").write_bytes(b"1")
+    assert os.listdir(b.path / "run") == ["first.bin"]          # b's one refresh for a minute
+    data = os.urandom(3 * MiB)
+    (a.path / "run" / "step_1.pt").write_bytes(data)
+    assert (b.path / "run" / "step_1.pt").read_bytes() == data   # no refresh due: the lookup finds it
+
+
+def test_different_files_never_lose_one_another(make_config, tmp_path, mount):
+    """Three mounts write five files each at the same time: every mount ends up with all fifteen."""
+    cfg = config(make_config, tmp_path, "0.2s")
+    mounts = [mount(cfg, f"m{i}") for i in range(3)]
+    want = {f"/node{i}/f{j}.bin": np.random.default_rng(10 * i + j).bytes(MiB + j) for i in range(3) for j in range(5)}
+    errors: list[BaseException] = []
+
+    def writer(i: int) -> None:
+        try:
+            (mounts[i].path / f"node{i}").mkdir()
+            for j in range(5):
+                (mounts[i].path / f"node{i}" / f"f{j}.bin").write_bytes(want[f"/node{i}/f{j}.bin"])
+        except BaseException as e:      # reported below, not lost in a thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for m in mounts:
+        assert wait_for(lambda: sorted(p.relative_to(m.path).as_posix() for p in m.path.rglob("*.bin"))
+                        == sorted(k.lstrip("/") for k in want))
+        for path, data in want.items():
+            assert (m.path / path.lstrip("/")).read_bytes() == data
+
+
+def test_two_commits_of_one_path_one_wins_whole(make_config, tmp_path, mount):
+    """Two mounts save the same path, one after the other and then at the same time: every mount reads
+    one whole version (the later one when they were sequential), and `cpfs log` lists both."""
+    cfg = config(make_config, tmp_path, "0.2s")
+    a, b = mount(cfg, "a"), mount(cfg, "b")
+    first, second = b"A" * (4 * MiB), b"B" * (4 * MiB)
+    (a.path / "ckpt.pt").write_bytes(first)
+    (b.path / "ckpt.pt").write_bytes(second)
+    for m in (a, b):
+        assert wait_for(lambda: (m.path / "ckpt.pt").read_bytes() == second)
+    rows = json.loads(cpfs("log", "/ckpt.pt", "--json", config=cfg).stdout)
+    assert [r["size"] for r in rows[:2]] == [len(second), len(first)] and rows[0]["current"]
+
+    contenders = {b"C" * (5 * MiB), b"D" * (5 * MiB)}
+    threads = [threading.Thread(target=(m.path / "race.pt").write_bytes, args=(data,))
+               for m, data in zip((a, b), contenders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.5)
+    seen = {(m.path / "race.pt").read_bytes() for m in (a, b)}
+    assert len(seen) == 1 and seen <= contenders, "the mounts disagree, or a version is mixed"
+    assert cpfs("cat", "/race.pt", config=cfg).stdout in contenders
