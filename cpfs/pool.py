@@ -46,6 +46,7 @@ BACKOFF_FIRST = 0.05         # seconds; the n-th retry waits up to BACKOFF_FIRST
 BACKOFF_MAX = 2.0
 DOWN_AFTER = 3               # requests in a row failing transiently mark a store down
 PROBE_INTERVAL = 1.0         # seconds between probes of a store that is down
+CHECK_TIMEOUT = 5.0          # a startup check or probe waits at most this (or the store's timeout)
 RANK_FLOOR = 0.001           # latencies below this rank alike (a local disk is a local disk)
 VERIFY_FULL_MAX = 256 * 1024  # dedup compares whole replicas up to this size, size + header above
 SUSPECTS_MAX = 100_000       # (store, digest) pairs remembered as read corrupt
@@ -162,7 +163,9 @@ class StorePool:
         """Every store usable, or a ConfigError naming the config file and the first store that is not:
         an unusable store is a bad configuration, found before anything is read or written. A store
         that fails transiently (unreachable, timing out) is marked down instead, unless every store does."""
-        out = await self._fan_out(self.names, lambda n: self._call(n, "check", lambda s: s.check(), allow_down=True))
+        # A black-holed store must not hold the mount up for a whole request timeout.
+        out = await self._fan_out(self.names, lambda n: self._call(
+            n, "check", lambda s: s.check(), allow_down=True, timeout=min(CHECK_TIMEOUT, self._timeouts[n])))
         errors = sorted(out.errors, key=lambda ne: self.names.index(ne[0]))
         permanent = [e for _, e in errors if not e.transient]
         if permanent or (errors and len(errors) == len(self.names)):
@@ -189,7 +192,7 @@ class StorePool:
     async def _probe(self, name: str) -> None:
         h = self._health[name]
         h.probes += 1
-        with trio.move_on_after(self._timeouts[name]):
+        with trio.move_on_after(min(CHECK_TIMEOUT, self._timeouts[name])):
             try:
                 await self._stores[name].check()
             except StoreError as e:
@@ -204,14 +207,14 @@ class StorePool:
     # ------------------------------------------------------------------ one request
 
     async def _call(self, name: str, what: str, op: Callable[[Store], Awaitable[T]], *,
-                    allow_down: bool = False) -> T:
-        """op(store), bounded by the store's timeout, retried while it fails transiently.
-        A store marked down fails at once unless `allow_down` (a last-resort read)."""
+                    allow_down: bool = False, timeout: float | None = None) -> T:
+        """op(store), bounded by the store's timeout (or `timeout`), retried while it fails
+        transiently. A store marked down fails at once unless `allow_down` (a last-resort read)."""
         h = self._health[name]
         if not h.up and not allow_down:
             raise StoreUnavailable(name, f"{what}: store is down ({h.reason})")
         store = self._stores[name]
-        timeout = self._timeouts[name]
+        timeout = self._timeouts[name] if timeout is None else timeout
         deadline = trio.current_time() + timeout
         attempt = 0
         with trio.move_on_at(deadline):

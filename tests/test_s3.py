@@ -3,6 +3,7 @@ failures, its [[store]] keys, and end to end: `cpfs put`/`cat` and a real mount 
 and mixed with a folder."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -368,3 +369,13 @@ def test_put_cat_and_mount_over_s3(s3_config: tuple[Path, list[str]], s3_server:
     out.write_bytes(cpfs("cat", "run1/step_8.pt", config=config).stdout)
     loaded8 = torch.load(out, weights_only=True)
     assert all(torch.equal(loaded8[k], v) for k, v in sd8.items())
+
+    # The other commands on the same mix of stores.
+    assert {"step_7.pt", "step_8.pt"} <= set(cpfs("ls", "run1", config=config, text=True).stdout.split())
+    doc = json.loads(cpfs("inspect", "run1/step_7.pt", "--json", config=config).stdout)
+    assert doc["size"] == src.stat().st_size and len(doc["tensor_index"]["tensors"]) == len(sd)
+    cpfs("rm", "run1/step_7.pt", config=config)
+    rows = json.loads(cpfs("log", "run1/step_7.pt", "--json", config=config).stdout)
+    assert [r["state"] for r in rows] == ["deleted", "ok"]
+    cpfs("restore", "run1/step_7.pt", str(rows[1]["version"]), config=config)
+    assert cpfs("cat", "run1/step_7.pt", config=config).stdout == src.read_bytes()
