@@ -1,10 +1,14 @@
 # make test: install what the tests need on a fresh machine and run them.
 # make demo: prepare a ~1 GiB checkpoint, import it, mount, torch.load cold and warm, compare, unmount.
+# make bench-s3: one checkpoint on a loopback S3 server (moto) read 5 ways: cold torch.load through cpfs
+#   (2 S3 stores), plain GETs, s3fs, rclone mount, vs the direct local load. BENCH_ARGS="--size 256MiB".
+# make bench-s3-client: boto3 vs obstore reads from a loopback S3 server (moto): MiB/s and CPU-s per GiB.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: test demo deps venv clean
+.PHONY: test demo bench-s3 bench-s3-client s3-tools deps venv clean
 
 deps:
 	@command -v fusermount3 >/dev/null && [ -f /usr/include/fuse3/fuse_lowlevel.h ] && command -v pkg-config >/dev/null || \
@@ -22,6 +26,17 @@ test: venv
 
 demo: venv
 	$(PY) -m benchmarks.demo
+
+s3-tools:
+	@command -v s3fs >/dev/null && command -v rclone >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq s3fs rclone; }
+
+bench-s3: venv s3-tools
+	$(PY) -m benchmarks.bench_s3 $(BENCH_ARGS)
+
+bench-s3-client: venv
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m benchmarks.bench_s3_client
 
 clean:
 	rm -rf $(VENV) build *.egg-info
