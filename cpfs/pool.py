@@ -10,9 +10,12 @@ The pool holds replica policy, nothing about any one kind of store:
 - reads go through one replica iterator (`_read_replicas`): ranked replicas in turn, and *hedged*: a
   read slower than its store's recent p95 (bounded by `hedge_min`/`hedge_max`) also asks the next
   replica, the first answer wins and the other is cancelled; at most `hedges` hedges are in flight.
-  A read cancelled that way counts its elapsed time as a latency sample, so a hung or straggling
-  store sinks in the ranking instead of costing a hedge delay on every read;
+  A read cancelled that way counts twice its elapsed time as a latency sample, so a hung or
+  straggling store sinks in the ranking instead of costing a hedge delay on every read;
 - writes go through one fan-out with quorum (`_put_quorum`);
+- read repair: a replica a read found corrupt or missing is rewritten from the good copy the read got,
+  in the background (`run()`), logged with store, chunk and file; a full repair queue drops the job
+  (scrub finds it later) rather than hold a read;
 - dedup never trusts a replica blindly: `store_chunk` reuses a copy only after checking it against the
   encoded chunk in hand, and rewrites copies that a read found corrupt (`_suspects`).
 
@@ -46,6 +49,7 @@ BACKOFF_FIRST = 0.05         # seconds; the n-th retry waits up to BACKOFF_FIRST
 BACKOFF_MAX = 2.0
 DOWN_AFTER = 3               # requests in a row failing transiently mark a store down
 PROBE_INTERVAL = 1.0         # seconds between probes of a store that is down
+REPAIR_QUEUE = 64            # read repairs waiting at most (each holds one chunk's bytes)
 CHECK_TIMEOUT = 5.0          # a startup check or probe waits at most this (or the store's timeout)
 RANK_FLOOR = 0.001           # latencies below this rank alike (a local disk is a local disk)
 VERIFY_FULL_MAX = 256 * 1024  # dedup compares whole replicas up to this size, size + header above
@@ -61,6 +65,7 @@ class ReplicaStats:
     hedges_won: int           # ... where the hedge answered first
     hedges_in_flight: int
     hedges_skipped: int       # slow reads not hedged because `hedges` were in flight
+    repairs_dropped: int      # read repairs not queued because the queue was full
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,9 @@ class StorePool:
         self._rng = random.Random(seed)
         self._went_down = trio.Event()
         self._latency = {n: deque(maxlen=LATENCY_SAMPLES) for n in self.names}
+        self._picked = {n: 0 for n in self.names}
+        self._repair_send, self._repair_recv = trio.open_memory_channel[tuple[str, str, bytes, str]](REPAIR_QUEUE)
+        self._repairs_dropped = 0
         self._reads = self._fallbacks = self._hedges = self._hedges_won = 0
         self._hedging = self._hedges_skipped = 0
 
@@ -119,7 +127,7 @@ class StorePool:
     def replica_statistics(self) -> ReplicaStats:
         return ReplicaStats(reads=self._reads, fallbacks=self._fallbacks, hedges=self._hedges,
                             hedges_won=self._hedges_won, hedges_in_flight=self._hedging,
-                            hedges_skipped=self._hedges_skipped)
+                            hedges_skipped=self._hedges_skipped, repairs_dropped=self._repairs_dropped)
 
     def health(self) -> list[StoreHealth]:
         return [self._health[n].snapshot(n) for n in self.names]
@@ -132,7 +140,8 @@ class StorePool:
         def score(n: str) -> tuple[bool, float, float]:
             m = self._stores[n]
             latency = max(m.latency_ewma, self._read_latency(n), RANK_FLOOR)
-            return (not self._health[n].up, (m.outstanding + 1) * latency, latency)
+            busy = max(m.outstanding, self._picked[n])   # picked: reads chosen, maybe not started yet
+            return (not self._health[n].up, (busy + 1) * latency, latency)
         return sorted((n for n in names if n in self._stores), key=score)
 
     def _mark_down(self, name: str, reason: str) -> None:
@@ -175,9 +184,26 @@ class StorePool:
             self._mark_down(name, e.detail)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Background health: probe every store that is down until it answers. Runs until cancelled;
-        start it in the nursery that outlives the pool's users (`await nursery.start(pool.run)`)."""
-        task_status.started()
+        """Background work: read repairs, and probes of every store that is down until it answers.
+        Runs until cancelled; start it in the nursery that outlives the pool's users
+        (`await nursery.start(pool.run)`)."""
+        async with trio.open_nursery() as n:
+            n.start_soon(self._repairer)
+            task_status.started()
+            await self._prober()
+
+    async def _repairer(self) -> None:
+        async for name, key, blob, where in self._repair_recv:
+            try:
+                await self.put(name, key, blob)
+            except StoreError as e:
+                log.warning("%s: read repair of %s on store %r failed: %s", where, key, name, e)
+                continue
+            self._suspects.pop((name, key.rsplit("/", 1)[-1]), None)
+            self._health[name].repairs += 1
+            log.warning("%s: read repair: rewrote %s on store %r from a good replica", where, key, name)
+
+    async def _prober(self) -> None:
         while True:
             down = [n for n in self.names if not self._health[n].up]
             if not down:
@@ -303,8 +329,9 @@ class StorePool:
         return out.succeeded(names)
 
     def _read_latency(self, name: str) -> float:
-        """Median of the store's recent read latencies (hedge losses included), 0 if none yet."""
-        samples = self._latency[name]
+        """Median of the store's recent read latencies (hedge losses included); of all stores' while
+        it has none (a store not heard from is not assumed fast), 0 before any read."""
+        samples = self._latency[name] or [t for d in self._latency.values() for t in d]
         return sorted(samples)[len(samples) // 2] if samples else 0.0
 
     def _hedge_after(self, name: str) -> float:
@@ -314,7 +341,7 @@ class StorePool:
         samples = sorted(self._latency[name])
         if len(samples) < 8:        # a store not heard from yet: what the stores take in general
             samples = sorted(t for d in self._latency.values() for t in d)
-        if len(samples) < 8:
+        if len(samples) < 4:
             return cfg.hedge_max
         p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)]
         return min(cfg.hedge_max, max(cfg.hedge_min, p95))
@@ -336,28 +363,34 @@ class StorePool:
                 ok = True
             except (StoreError, CorruptChunk) as e:
                 result, ok = e, False
+            finally:
+                self._picked[name] -= 1
             send.send_nowait((name, trio.current_time() - t0, ok, result))
 
-        def start(name: str, hedge: bool = False) -> float:
-            """Start a read of `name`; returns when to consider hedging it."""
+        def start(name: str, hedge: bool = False) -> None:
             self._reads += 1
+            self._picked[name] += 1
             running[name] = trio.current_time()
             if hedge:
                 hedged.add(name)
                 self._hedges += 1
                 self._hedging += 1
             n.start_soon(attempt, name)
-            return running[name] + self._hedge_after(name)
 
         more = True
+        hold = -math.inf                  # no hedge before this (the hedge budget was spent)
         try:
             async with trio.open_nursery() as n:
-                first = next(ranked, None)
-                if first is None:
+                newest = next(ranked, None)
+                if newest is None:
                     raise last
-                hedge_at = start(first)
+                start(newest)
                 while running:
-                    wait = hedge_at - trio.current_time() if more and self.config.hedges > 0 else math.inf
+                    wait, due = math.inf, math.inf
+                    if more and self.config.hedges > 0 and newest in running:
+                        # Recomputed while waiting: the p95 moves as other reads finish.
+                        due = max(running[newest] + self._hedge_after(newest), hold)
+                        wait = min(due - trio.current_time(), self.config.hedge_min)
                     with trio.move_on_after(max(0.0, wait)):
                         name, took, ok, result = await recv.receive()
                         del running[name]
@@ -365,7 +398,10 @@ class StorePool:
                             self._latency[name].append(took)
                             if name in hedged:
                                 self._hedges_won += 1
-                            for slow, since in running.items():   # losers: a lower bound of their latency
+                            for slow, since in running.items():
+                                # A loser took longer than this, by how much nobody knows: counted
+                                # twice over, so a straggler sinks faster than a store that lost once
+                                # by a hair.
                                 self._latency[slow].append(trio.current_time() - since)
                             n.cancel_scope.cancel()
                             return result  # type: ignore[return-value]
@@ -377,18 +413,21 @@ class StorePool:
                             more = False
                         else:
                             self._fallbacks += 1
-                            hedge_at = start(nxt)
+                            start(nxt)
+                            newest = nxt
                         continue
-                    # The newest read is slow: ask the next replica too, if the budget allows.
+                    if trio.current_time() < due:
+                        continue                  # looked again, not slow yet
                     if self._hedging >= self.config.hedges:
                         self._hedges_skipped += 1
-                        hedge_at = trio.current_time() + self.config.hedge_max
+                        hold = trio.current_time() + self.config.hedge_max
                         continue
                     nxt = next(ranked, None)
                     if nxt is None:
                         more = False
                     else:
-                        hedge_at = start(nxt, hedge=True)
+                        start(nxt, hedge=True)
+                        newest = nxt
         finally:
             self._hedging -= len(hedged)
         raise last
@@ -419,16 +458,24 @@ class StorePool:
         long. `where` ("file F offset O chunk N") goes into every log line about it."""
         key = chunkfmt.chunk_key(entry.digest)
         failures: list[str] = []
+        damaged: list[str] = []             # replicas that are corrupt or missing: to repair
+        blobs: dict[str, bytes] = {}
 
         async def read(name: str) -> bytes:
-            blob = await self._call(name, f"get {key!r}", lambda s: s.get(key), allow_down=True)
+            try:
+                blob = await self._call(name, f"get {key!r}", lambda s: s.get(key), allow_down=True)
+            except NoSuchObject:
+                damaged.append(name)
+                raise
             try:
                 raw = await trio.to_thread.run_sync(chunkfmt.decode, blob, entry.digest, limiter=self.cpu)
             except CorruptChunk:
                 self._suspect(name, entry.digest)
+                damaged.append(name)
                 raise
-            if len(raw) != entry.raw_len:
+            if len(raw) != entry.raw_len:     # the manifest is wrong, not the replica: nothing to repair
                 raise CorruptChunk(f"chunk {entry.digest[:16]}: {len(raw)} bytes, the manifest says {entry.raw_len}")
+            blobs[name] = blob
             return raw
 
         def failed(name: str, e: Exception) -> None:
@@ -437,9 +484,18 @@ class StorePool:
             failures.append(f"{name}: {e}")
 
         try:
-            return await self._read_replicas(entry.stores, read, failed)
+            raw = await self._read_replicas(entry.stores, read, failed)
         except (StoreError, CorruptChunk):
             pass
+        else:
+            if damaged and blobs:
+                good = next(iter(blobs.values()))
+                for name in damaged:
+                    try:
+                        self._repair_send.send_nowait((name, key, good, where))
+                    except trio.WouldBlock:
+                        self._repairs_dropped += 1
+            return raw
         raise ChunkUnavailable(f"{where}: no replica of chunk {entry.digest[:16]} could be read "
                                f"(stores {', '.join(entry.stores)}): {'; '.join(failures) or 'no known store'}")
 

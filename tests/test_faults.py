@@ -292,3 +292,31 @@ async def test_manifest_raw_len_that_lies_is_unavailable(tmp_path: Path) -> None
         with pytest.raises(ChunkUnavailable, match="the manifest says") as e:
             await pool.fetch_chunk(lying, "file /x offset 0 chunk 0")
         assert str(e.value).startswith("file /x offset 0 chunk 0")
+
+
+# ---- read repair ------------------------------------------------------------------------------------
+
+async def test_read_repair_rewrites_corrupt_and_missing_replicas(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A read that meets a corrupt or a missing replica still answers from the good one, and the bad
+    one is rewritten in the background (logged with store, chunk and file)."""
+    config = _config(tmp_path)
+    data = os.urandom(100_000)
+    entry = await _store(StorePool(config), data, ["s0", "s1"])
+    copy = _copy(tmp_path, "s0", entry.digest)
+    blob = bytearray(copy.read_bytes())
+    blob[-1] ^= 0xFF
+    copy.write_bytes(bytes(blob))
+    pool = StorePool(config)                          # idle: tries s0 (the damaged one) first
+    async with trio.open_nursery() as n:
+        await n.start(pool.run)
+        for damage in ("corrupt", "missing"):
+            if damage == "missing":
+                copy.unlink()
+            with trio.fail_after(10):
+                assert await pool.fetch_chunk(entry, f"file /ckpt.pt offset 0 chunk 0 ({damage})") == data
+                while not _every_copy_good(tmp_path, entry):
+                    await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert pool.health()[0].repairs == 2
+    repaired = [r.getMessage() for r in caplog.records if "read repair" in r.getMessage()]
+    assert len(repaired) == 2 and all("/ckpt.pt" in m and "'s0'" in m and entry.digest in m for m in repaired)
