@@ -115,7 +115,8 @@ async def cmd_ls(config: Config, args: argparse.Namespace) -> int:
         if isinstance(m, Unreadable):
             print(f"{'?':>12}  {'(unreadable manifest)':19}  {name}")
             continue
-        print(f"{m.size:>12}  {_when(m.mtime_ns)}  {name}")
+        link = f" -> {m.symlink}" if m.symlink else ""
+        print(f"{m.size:>12}  {_when(m.mtime_ns)}  {name}{link}")
     return 0
 
 

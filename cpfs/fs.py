@@ -132,6 +132,8 @@ class CpfsOperations(pyfuse3.Operations):
             m = node.summary
             size = m.size if m else 0
             a.st_mode = stat.S_IFREG | ((m.mode if m else 0o644) & 0o7777)
+            if m is not None and m.symlink:
+                a.st_mode, size = stat.S_IFLNK | 0o777, len(os.fsencode(m.symlink))
             a.st_nlink = 1
             a.st_size = size
             a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = m.mtime_ns if m else time.time_ns()
@@ -543,10 +545,34 @@ class CpfsOperations(pyfuse3.Operations):
         for ino, _nlookup in inode_list:
             self.ns.forget(ino)
 
-    async def _unsupported(self, *args: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
+    @boundary
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        """A symbolic link is a version of its own: a manifest with a target and no chunks, committed
+        at once (so every mount sees it), relative or absolute as given."""
+        node = self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=False)
+        link = Manifest(path=node.path, size=0, mtime_ns=time.time_ns(), mode=0o777,
+                        chunk_size=self.config.chunk_size, chunks=(), version=0, symlink=os.fsdecode(target))
+        try:
+            with self._changing(node.path):
+                node.set_version(await self.catalog.commit(link))
+        except BaseException:
+            self.ns.remove(node)
+            raise
+        return self.attributes(node)
 
-    mknod = symlink = link = _unsupported
+    @boundary
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.ns.node(inode)
+        if node.summary is None or not node.summary.symlink:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return os.fsencode(node.summary.symlink)
+
+    async def _not_permitted(self, *args: Any) -> Any:
+        """Device nodes, fifos and hard links are not stored: EPERM, as filesystems without them say."""
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    mknod = link = _not_permitted
 
 
 def _newer(m: Summary | Unreadable, node: Node) -> bool:

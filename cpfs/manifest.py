@@ -62,7 +62,7 @@ class ChunkEntry:
 
 
 _SUMMARY_KEYS = ("format", "path", "size", "mtime_ns", "mode", "version", "writer", "host", "committed_ns",
-                 "state", "reason")
+                 "state", "reason", "symlink")
 SUMMARY_MAX = 16 * 1024      # a summary line is at most this long (path and reason are bounded)
 
 
@@ -83,6 +83,7 @@ class Summary:
     committed_ns: int = 0
     state: str = "ok"
     reason: str = ""
+    symlink: str = ""              # the target, if this version is a symbolic link (then no chunks)
     key: str = ""
     stores: tuple[str, ...] = ()
 
@@ -116,6 +117,7 @@ class Manifest:
     committed_ns: int = 0          # wall clock at commit (information only: never orders versions)
     state: str = "ok"              # "ok", "failed" (an incomplete save, kept for history), "deleted"
     reason: str = ""               # why a version failed
+    symlink: str = ""              # the target, as given, if this version is a symbolic link
 
     @property
     def order(self) -> tuple[int, str]:
@@ -189,7 +191,8 @@ class Manifest:
             raise ManifestError(f"{where}: malformed manifest: {e!r:.300}") from None
         m = cls(path=s.path, size=s.size, mtime_ns=s.mtime_ns, mode=s.mode, chunk_size=chunk_size,
                 chunks=tuple(chunks), version=s.version, tensor_index=doc.get("tensor_index"), format=FORMAT,
-                writer=s.writer, host=s.host, committed_ns=s.committed_ns, state=s.state, reason=s.reason)
+                writer=s.writer, host=s.host, committed_ns=s.committed_ns, state=s.state, reason=s.reason,
+                symlink=s.symlink)
         if m.offsets[-1] != m.size:
             raise ManifestError(f"{where}: chunks add up to {m.offsets[-1]} bytes, size says {m.size}")
         if m.tensor_index is not None and not isinstance(m.tensor_index, dict):
@@ -214,14 +217,16 @@ def _parse_summary(doc: Any, where: str) -> Summary:
         state = doc.get("state", "ok")
         if state not in STATES:
             raise ValueError(f"bad state {state!r:.40}")
-        writer, host, reason = (_text(doc, k) for k in ("writer", "host", "reason"))
+        writer, host, reason, symlink = (_text(doc, k) for k in ("writer", "host", "reason", "symlink"))
+        if "\0" in symlink:
+            raise ValueError("a symlink target may not contain NUL")
         if not _WRITER.fullmatch(writer):
             raise ValueError(f"bad writer id {writer!r:.40}")
         return Summary(path=normalize_path(doc["path"]), size=_int(doc, "size", 0, _MAX_INT),
                        mtime_ns=_int(doc, "mtime_ns", -_MAX_INT, _MAX_INT), mode=_int(doc, "mode", 0, 0o7777),
                        version=_int(doc, "version", 0, _MAX_VERSION), writer=writer, host=host,
                        committed_ns=_int(doc, "committed_ns", 0, _MAX_INT, default=0), state=state,
-                       reason=reason)
+                       reason=reason, symlink=symlink)
     except ManifestError as e:    # the format check, or a bad path
         raise ManifestError(f"{where}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:

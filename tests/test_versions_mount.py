@@ -141,3 +141,60 @@ def test_log_and_cat_version_show_what_a_mount_committed(make_config, tmp_path, 
     assert [r["current"] for r in rows] == [True, False, False]          # keep_versions = 3
     assert all(r["state"] == "ok" and r["host"] for r in rows)
     assert cat(cfg, "/notes.txt", "--version", str(rows[2]["version"])) == b"version 1\n"
+
+
+def test_a_file_unlinked_while_open_stays_usable_through_its_handle(make_config, tmp_path, mount):
+    """tempfile.TemporaryFile (create, unlink, then use) works, and a committed file removed while a
+    reader holds it open still reads whole through that handle; neither name comes back."""
+    import tempfile
+
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    with tempfile.TemporaryFile(dir=m.path) as f:
+        f.write(b"scratch " * 100_000)
+        f.flush()
+        assert os.fstat(f.fileno()).st_size == 800_000
+        f.seek(0)
+        assert f.read() == b"scratch " * 100_000
+    data = np.random.default_rng(9).bytes(6 * MiB)
+    (m.path / "old.pt").write_bytes(data)
+    with open(m.path / "old.pt", "rb") as r:
+        head = r.read(MiB)
+        os.unlink(m.path / "old.pt")
+        assert os.fstat(r.fileno()).st_size == len(data)
+        assert head + r.read() == data
+    assert os.listdir(m.path) == []
+
+
+def test_symlinks_are_stored_followed_and_seen_by_other_mounts(make_config, tmp_path, mount):
+    """`ln -s step_200 latest` (a folder) and `ln -s ../run/step_200/model.pt last.pt` (a file): readlink,
+    lstat, reading through them, another mount sees them, rename and rm; cp -a keeps a link a link;
+    device nodes and hard links are a clear EPERM."""
+    cfg = config(make_config, tmp_path)
+    a = mount(cfg, "a")
+    (a.path / "run" / "step_200").mkdir(parents=True)
+    data = np.random.default_rng(3).bytes(3 * MiB)
+    (a.path / "run" / "step_200" / "model.pt").write_bytes(data)
+    os.symlink("step_200", a.path / "run" / "latest")
+    os.mkdir(a.path / "top")
+    os.symlink("../run/step_200/model.pt", a.path / "top" / "last.pt")
+    assert os.readlink(a.path / "run" / "latest") == "step_200"
+    assert os.lstat(a.path / "top" / "last.pt").st_size == len("../run/step_200/model.pt")
+    assert (a.path / "run" / "latest" / "model.pt").read_bytes() == data
+    assert (a.path / "top" / "last.pt").read_bytes() == data
+    b = mount(cfg, "b")
+    assert os.readlink(b.path / "run" / "latest") == "step_200"
+    assert (b.path / "top" / "last.pt").read_bytes() == data
+    subprocess.run(["cp", "-a", str(a.path / "top"), str(a.path / "top2")], check=True)
+    assert os.readlink(a.path / "top2" / "last.pt") == "../run/step_200/model.pt"
+    os.rename(a.path / "top2" / "last.pt", a.path / "top2" / "prev.pt")
+    assert os.readlink(a.path / "top2" / "prev.pt") == "../run/step_200/model.pt"
+    os.unlink(a.path / "run" / "latest")
+    assert not os.path.lexists(a.path / "run" / "latest")
+    assert cpfs("ls", "/top", config=cfg, text=True).stdout.rstrip().endswith("last.pt -> ../run/step_200/model.pt")
+    assert "latest" not in cpfs("ls", "/run", config=cfg, text=True).stdout
+    for attempt in (lambda: os.mkfifo(a.path / "fifo"), lambda: os.link(a.path / "run" / "step_200" / "model.pt",
+                                                                        a.path / "hard.pt")):
+        with pytest.raises(OSError) as e:
+            attempt()
+        assert e.value.errno == errno.EPERM
