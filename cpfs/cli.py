@@ -93,6 +93,8 @@ def _children(manifests: dict[str, Summary | Unreadable],
             rest = p[len(prefix):]
             if "/" in rest:
                 dirs.add(rest.split("/", 1)[0])
+            elif isinstance(m, Summary) and m.directory:
+                dirs.add(rest)
             else:
                 files.append(m)
     return sorted(dirs), sorted(files, key=lambda m: m.path)
@@ -102,11 +104,12 @@ async def cmd_ls(config: Config, args: argparse.Namespace) -> int:
     _, catalog = await _open(config)
     manifests = await catalog.load_all()
     path = "/" if args.path in (None, "", "/") else normalize_path(args.path)
-    if path in manifests:
-        files, dirs = [manifests[path]], []
+    m = manifests.get(path)
+    if m is not None and not (isinstance(m, Summary) and m.directory):
+        files, dirs = [m], []
     else:
         dirs, files = _children(manifests, path)
-        if not dirs and not files and path != "/":
+        if not dirs and not files and path != "/" and m is None:
             raise NotFound(f"{path}: no such file or folder")
     for d in dirs:
         print(f"{'-':>12}  {'':19}  {d}/")
@@ -180,14 +183,21 @@ async def cmd_rm(config: Config, args: argparse.Namespace) -> int:
     _, catalog = await _open(config)
     path = normalize_path(args.path)
     manifests = await catalog.load_all()
-    if path in manifests:
+    def is_dir(p: str) -> bool:
+        return isinstance(manifests[p], Summary) and manifests[p].directory    # type: ignore[union-attr]
+
+    inside = [p for p in manifests if p.startswith(path + "/")]
+    below = sorted(p for p in inside if not is_dir(p)) + sorted((p for p in inside if is_dir(p)),
+                                                                 key=lambda p: -p.count("/"))
+    m = manifests.get(path)
+    if m is not None and not (isinstance(m, Summary) and m.directory):
         targets = [path]
     else:
-        targets = sorted(p for p in manifests if p.startswith(path + "/"))
-        if not targets:
+        if m is None and not below:
             raise NotFound(f"{path}: no such file or folder")
-        if not args.recursive:
+        if below and not args.recursive:
             raise CpfsError(f"{path}: is a folder (use -r)")
+        targets = below + ([path] if m is not None else [])      # deepest first, the folder last
     for p in targets:
         await catalog.remove(p)
         print(f"removed {p}")

@@ -36,7 +36,7 @@ import trio
 from .catalog import Catalog, Unreadable
 from .config import Config
 from .errors import CpfsError, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
-from .manifest import Manifest, Summary
+from .manifest import Manifest, Summary, parent_dirs
 from .namespace import Namespace, Node
 from .readahead import FileReader, Scheduler
 from .writer import WriteSession
@@ -118,10 +118,11 @@ class CpfsOperations(pyfuse3.Operations):
         if not node.is_dir and node.summary is None and not node.broken:
             a.entry_timeout = 0     # not committed yet: the name may go (a failed first commit)
         if node.is_dir:
-            a.st_mode = stat.S_IFDIR | 0o755
+            d = node.summary
+            a.st_mode = stat.S_IFDIR | (d.mode if d else 0o755)
             a.st_nlink = 2
             a.st_size = 0
-            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = 0
+            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = d.mtime_ns if d else 0
         elif w is not None:
             a.st_mode = stat.S_IFREG | w.session.mode
             a.st_nlink = 1
@@ -186,17 +187,33 @@ class CpfsOperations(pyfuse3.Operations):
                 except ManifestError as e:        # a file where this mount has a folder, or so
                     log.warning("not showing %s: %s", path, e)
                 continue
-            if node.is_dir or node.ino in self.writing:
+            if node.is_dir:
+                if not isinstance(m, Unreadable) and m.directory and _newer(m, node):
+                    node.set_version(m)         # a folder is a folder: same inode, new attributes
+                continue
+            if node.ino in self.writing:
                 continue
             if _newer(m, node):
                 parent = self.ns.parent(node)
                 self.ns.replace(node, m)
                 self._invalidate(node.ino, parent.ino, node.name)
-        for node in [n for n in self.ns.nodes.values() if (n.summary is not None or n.broken)
-                     and n.path not in manifests and n.ino not in self.writing and not changed_here(n.path)]:
-            parent = self.ns.parent(node)
-            self.ns.remove(node)
-            self._invalidate(node.ino, parent.ino, node.name)
+        gone = [n for n in self.ns.nodes.values() if not n.is_dir and (n.summary is not None or n.broken)
+                and n.path not in manifests and n.ino not in self.writing and not changed_here(n.path)]
+        for node in gone:
+            self._drop(node)
+        # Folders: a committed one removed elsewhere, or one that only held files removed elsewhere,
+        # goes once empty (deepest first); a folder this mount is using keeps its name.
+        emptied = {d for g in gone for d in parent_dirs(g.path)}
+        folders = [n for n in self.ns.nodes.values() if n.is_dir and n.path != "/"]
+        for node in sorted(folders, key=lambda n: -n.path.count("/")):
+            if (not node.children and node.path not in manifests and not changed_here(node.path)
+                    and (node.summary is not None or node.path in emptied)):
+                self._drop(node)
+
+    def _drop(self, node: Node) -> None:
+        parent = self.ns.parent(node)
+        self.ns.remove(node)
+        self._invalidate(node.ino, parent.ino, node.name)
 
     def _invalidate(self, ino: int, parent: int | None = None, name: str | None = None) -> None:
         """Drop the kernel's cached pages/attributes (or name) of a file that changed elsewhere.
@@ -479,7 +496,18 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self.attributes(self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=True))
+        """A folder is committed like a file (a manifest with no chunks), so every mount sees it, empty
+        or not."""
+        node = self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=True)
+        folder = Manifest(path=node.path, size=0, mtime_ns=time.time_ns(), mode=mode & 0o7777,
+                          chunk_size=self.config.chunk_size, chunks=(), version=0, directory=True)
+        try:
+            with self._changing(node.path):
+                node.set_version(await self.catalog.commit(folder))
+        except BaseException:
+            self.ns.remove(node)
+            raise
+        return self.attributes(node)
 
     @boundary
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -501,7 +529,10 @@ class CpfsOperations(pyfuse3.Operations):
             raise NotADirectory(f"{node.path}: not a folder")
         if node.children:
             raise NotEmpty(f"{node.path}: not empty")
-        self.ns.remove(node)
+        with self._changing(node.path):
+            if node.summary is not None:
+                await self.catalog.remove(node.path)
+            self.ns.remove(node)
 
     @boundary
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
@@ -534,7 +565,7 @@ class CpfsOperations(pyfuse3.Operations):
                     w.unlinked = True        # open handles keep working; nothing is committed
                 self.ns.remove(t)
             self.ns.move(node, new_parent, new_name)
-            for f in self.ns.files_below(node):
+            for f in self.ns.walk(node):        # committed folders move like files
                 if f.summary is not None:
                     f.set_version(await self.catalog.move(await self._manifest(f), f.path))
                 w = self.writing.get(f.ino)

@@ -62,7 +62,7 @@ class ChunkEntry:
 
 
 _SUMMARY_KEYS = ("format", "path", "size", "mtime_ns", "mode", "version", "writer", "host", "committed_ns",
-                 "state", "reason", "symlink")
+                 "state", "reason", "symlink", "directory")
 SUMMARY_MAX = 16 * 1024      # a summary line is at most this long (path and reason are bounded)
 
 
@@ -84,6 +84,7 @@ class Summary:
     state: str = "ok"
     reason: str = ""
     symlink: str = ""              # the target, if this version is a symbolic link (then no chunks)
+    directory: bool = False        # a folder made with mkdir (committed, so every mount sees it)
     key: str = ""
     stores: tuple[str, ...] = ()
 
@@ -118,6 +119,7 @@ class Manifest:
     state: str = "ok"              # "ok", "failed" (an incomplete save, kept for history), "deleted"
     reason: str = ""               # why a version failed
     symlink: str = ""              # the target, as given, if this version is a symbolic link
+    directory: bool = False        # a folder made with mkdir: no chunks
 
     @property
     def order(self) -> tuple[int, str]:
@@ -192,7 +194,9 @@ class Manifest:
         m = cls(path=s.path, size=s.size, mtime_ns=s.mtime_ns, mode=s.mode, chunk_size=chunk_size,
                 chunks=tuple(chunks), version=s.version, tensor_index=doc.get("tensor_index"), format=FORMAT,
                 writer=s.writer, host=s.host, committed_ns=s.committed_ns, state=s.state, reason=s.reason,
-                symlink=s.symlink)
+                symlink=s.symlink, directory=s.directory)
+        if (m.symlink or m.directory) and (m.chunks or m.size):
+            raise ManifestError(f"{where}: a symlink or folder has no chunks")
         if m.offsets[-1] != m.size:
             raise ManifestError(f"{where}: chunks add up to {m.offsets[-1]} bytes, size says {m.size}")
         if m.tensor_index is not None and not isinstance(m.tensor_index, dict):
@@ -220,13 +224,16 @@ def _parse_summary(doc: Any, where: str) -> Summary:
         writer, host, reason, symlink = (_text(doc, k) for k in ("writer", "host", "reason", "symlink"))
         if "\0" in symlink:
             raise ValueError("a symlink target may not contain NUL")
+        directory = doc.get("directory", False)
+        if not isinstance(directory, bool) or (directory and symlink):
+            raise ValueError("bad directory flag")
         if not _WRITER.fullmatch(writer):
             raise ValueError(f"bad writer id {writer!r:.40}")
         return Summary(path=normalize_path(doc["path"]), size=_int(doc, "size", 0, _MAX_INT),
                        mtime_ns=_int(doc, "mtime_ns", -_MAX_INT, _MAX_INT), mode=_int(doc, "mode", 0, 0o7777),
                        version=_int(doc, "version", 0, _MAX_VERSION), writer=writer, host=host,
                        committed_ns=_int(doc, "committed_ns", 0, _MAX_INT, default=0), state=state,
-                       reason=reason, symlink=symlink)
+                       reason=reason, symlink=symlink, directory=directory)
     except ManifestError as e:    # the format check, or a bad path
         raise ManifestError(f"{where}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:

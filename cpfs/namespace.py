@@ -91,20 +91,21 @@ class Namespace:
         return self.nodes[self.by_path[posixpath.dirname(node.path)]]
 
     def add(self, manifest: Summary | Manifest | Unreadable) -> Node:
-        """Add or update a file (and the folders its path implies)."""
+        """Add or update a file or a committed folder (and the folders its path implies)."""
         for d in parent_dirs(manifest.path):
             ino = self.by_path.get(d)
             if ino is None:
                 self._new(d, True)
             elif not self.nodes[ino].is_dir:
                 raise ManifestError(f"{manifest.path}: {d} is a file, not a folder")
+        is_dir = not isinstance(manifest, Unreadable) and manifest.directory
         ino = self.by_path.get(manifest.path)
         if ino is None:
-            node = self._new(manifest.path, False)
+            node = self._new(manifest.path, is_dir)
         else:
             node = self.nodes[ino]
-            if node.is_dir:
-                raise ManifestError(f"{manifest.path}: is a folder here")
+            if node.is_dir != is_dir:
+                raise ManifestError(f"{manifest.path}: is a {'folder' if node.is_dir else 'file'} here")
         if isinstance(manifest, Unreadable):
             node.set_version(None)
             node.broken = f"manifest {manifest.key}: {manifest.reason}"

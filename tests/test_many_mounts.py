@@ -97,3 +97,24 @@ def test_two_commits_of_one_path_one_wins_whole(make_config, tmp_path, mount):
     seen = {(m.path / "race.pt").read_bytes() for m in (a, b)}
     assert len(seen) == 1 and seen <= contenders, "the mounts disagree, or a version is mixed"
     assert cpfs("cat", "/race.pt", config=cfg).stdout in contenders
+
+
+def test_empty_folders_are_committed_and_seen_by_every_mount(make_config, tmp_path, mount):
+    """mkdir commits the folder: another mount (and `cpfs ls`) sees it empty, with its mode; rmdir
+    removes it everywhere; a renamed folder keeps its empty subfolders."""
+    cfg = config(make_config, tmp_path, "0.2s")
+    a, b = mount(cfg, "a"), mount(cfg, "b")
+    os.mkdir(a.path / "runs", 0o750)
+    os.makedirs(a.path / "runs" / "exp1" / "ckpts")
+    assert wait_for(lambda: os.listdir(b.path / "runs" / "exp1") == ["ckpts"])
+    assert os.stat(b.path / "runs").st_mode & 0o777 == 0o750
+    assert "ckpts/" in cpfs("ls", "/runs/exp1", config=cfg, text=True).stdout
+    os.rename(a.path / "runs" / "exp1", a.path / "runs" / "exp2")
+    assert wait_for(lambda: os.listdir(b.path / "runs") == ["exp2"] and os.listdir(b.path / "runs" / "exp2") == ["ckpts"])
+    os.rmdir(a.path / "runs" / "exp2" / "ckpts")
+    assert wait_for(lambda: os.listdir(b.path / "runs" / "exp2") == [])
+    c = mount(cfg, "c")                              # a fresh mount builds the same tree
+    assert os.listdir(c.path / "runs") == ["exp2"] and os.listdir(c.path / "runs" / "exp2") == []
+    cpfs("rm", "-r", "/runs", config=cfg)
+    assert wait_for(lambda: "runs" not in os.listdir(a.path) and "runs" not in os.listdir(b.path))
+    assert not (a.path / "runs").exists()

@@ -21,6 +21,7 @@ from cpfs import chunk as chunkfmt
 from cpfs.catalog import Catalog
 from cpfs.chunking import tensor_boundaries
 from cpfs.config import load_config
+from cpfs.errors import CorruptChunk
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
@@ -156,16 +157,31 @@ def test_corrupt_replica_served_from_other(imported_1g, checkpoint_1g, tmp_path:
                 f.seek(offset)
                 f.write(bytes([b[0] ^ 0xFF]))
 
+    def unflip() -> None:
+        """Undo the damage read repair has not undone already (it rewrites copies it found bad)."""
+        for p in victims:
+            try:
+                chunkfmt.decode(p.read_bytes(), p.name)
+            except CorruptChunk:
+                offset = (chunkfmt.HEADER_SIZE + p.stat().st_size) // 2
+                with open(p, "r+b") as f:
+                    f.seek(offset)
+                    b = f.read(1)
+                    f.seek(offset)
+                    f.write(bytes([b[0] ^ 0xFF]))
+
     flip()
     try:
         rc, got, n, err = _cat_sha256(config, "/run1/step_1000.pt", tmp_path)
     finally:
-        flip()
+        unflip()
     assert rc == 0, err
     assert (n, got) == (src.stat().st_size, digest)
     lines = err.splitlines()
-    assert lines and all("WARNING" in ln and "corrupt replica" in ln and "on store 's1'" in ln for ln in lines), err
+    assert lines and all("WARNING" in ln and ("corrupt replica" in ln or "read repair: rewrote" in ln)
+                         and "on store 's1'" in ln for ln in lines), err
     assert "file /run1/step_1000.pt offset" in lines[0]
+    assert all(chunkfmt.decode(p.read_bytes(), p.name) is not None for p in victims)
 
 
 # ---- dedup and cuts on real checkpoints -----------------------------------------------------------------
