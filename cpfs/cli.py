@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from . import daemon
+from . import daemon, stats
 from .cache import ChunkCache
 from .catalog import Catalog, Unreadable
 from .config import Config, load_config
@@ -239,6 +239,27 @@ async def cmd_restore(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_stats(config: Config, args: argparse.Namespace) -> int:
+    """A mount's live figures, from its control file (cpfs/stats.py); --watch adds rates."""
+    control = Path(args.mountpoint) / stats.CONTROL_NAME
+
+    def read() -> dict:
+        try:
+            return json.loads(control.read_bytes())
+        except OSError as e:
+            raise CpfsError(f"{args.mountpoint}: no cpfs mount there ({e.strerror})") from None
+
+    before = None
+    while True:
+        now = await trio.to_thread.run_sync(read)
+        out = json.dumps(now, indent=1) if args.json else stats.render(now, before)
+        print(out + ("\n" if args.watch else ""), flush=True)
+        if not args.watch:
+            return 0
+        before = now
+        await trio.sleep(args.watch)
+
+
 def cmd_mount(config: Config, args: argparse.Namespace) -> int:
     mountpoint = Path(args.mountpoint).absolute()
     daemon.check_mountpoint(mountpoint)
@@ -279,6 +300,11 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("rm", parents=[common], help="remove a file (or, with -r, a folder)")
     s.add_argument("path")
     s.add_argument("-r", "--recursive", action="store_true")
+    s = sub.add_parser("stats", parents=[common], help="a mount's live figures (stores, cache, readahead)")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
+                   help="print again every SECONDS (1), with rates over the interval")
     s = sub.add_parser("mount", parents=[common], help="mount; returns once the mount is live")
     s.add_argument("mountpoint")
     s.add_argument("--foreground", action="store_true", help="stay attached; SIGINT/SIGTERM unmount")
@@ -289,7 +315,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"put": cmd_put, "ls": cmd_ls, "inspect": cmd_inspect, "cat": cmd_cat, "rm": cmd_rm,
-            "log": cmd_log, "restore": cmd_restore}
+            "log": cmd_log, "restore": cmd_restore, "stats": cmd_stats}
 
 
 def _leaves(e: BaseException) -> list[BaseException]:

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
+from . import stats
 from .catalog import Catalog, Unreadable
 from .config import Config
 from .errors import CpfsError, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
@@ -72,6 +73,7 @@ class Handle:
     node: Node
     reader: FileReader | None = None     # read-only handles of committed files
     writable: bool = False
+    data: bytes | None = None            # the control file's content, made at open
 
 
 @dataclass
@@ -103,11 +105,14 @@ class CpfsOperations(pyfuse3.Operations):
         self._staging_io = trio.CapacityLimiter(4)
         self._refreshed = 0.0
         self._refresh_lock = trio.Lock()
+        self._control = Node(stats.CONTROL_INO, "/" + stats.CONTROL_NAME, False)
         self._busy_paths: list[str] = []          # paths this mount is changing the manifests of
         self._touched: set[str] | None = None     # paths changed here while the stores are listed
 
     # -- attributes and names ---------------------------------------------------------------------
     def attributes(self, node: Node) -> pyfuse3.EntryAttributes:
+        if node is self._control:
+            return self._control_attributes()
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0
@@ -252,6 +257,8 @@ class CpfsOperations(pyfuse3.Operations):
 
     @boundary
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if parent_inode == pyfuse3.ROOT_INODE and name == stats.CONTROL_NAME.encode():
+            return self._control_attributes()
         try:
             node = self.ns.lookup(parent_inode, os.fsdecode(name))
         except NotFound:
@@ -281,7 +288,25 @@ class CpfsOperations(pyfuse3.Operations):
 
     @boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if inode == stats.CONTROL_INO:
+            return self._control_attributes()
         return self.attributes(self.ns.node(inode))
+
+    # -- the control file (cpfs/stats.py): looked up by name at the root, never listed --------------
+    def _control_attributes(self) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = stats.CONTROL_INO
+        a.entry_timeout = a.attr_timeout = 0
+        a.st_mode = stat.S_IFREG | 0o444
+        a.st_nlink = 1
+        a.st_uid, a.st_gid = self._uid, self._gid
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = time.time_ns()
+        return a
+
+    def _statistics(self) -> bytes:
+        mount = {"files": sum(1 for n in self.ns.nodes.values() if not n.is_dir), "retired": len(self.ns.retired),
+                 "open_handles": len(self.handles), "writing": len(self.writing)}
+        return stats.collect(pool=self.catalog.pool, catalog=self.catalog, scheduler=self.sched, mount=mount)
 
     @boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -349,6 +374,11 @@ class CpfsOperations(pyfuse3.Operations):
 
     @boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if inode == stats.CONTROL_INO:
+            if flags & os.O_ACCMODE != os.O_RDONLY:
+                raise pyfuse3.FUSEError(errno.EACCES)
+            fh = self._new_handle(Handle(self._control, data=self._statistics()))
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
         node = self.ns.node(inode)
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
@@ -369,6 +399,8 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self.handles[fh]
+        if h.data is not None:
+            return h.data[off:off + size]
         w = self.writing.get(h.node.ino)
         if w is not None:
             return await w.session.read(off, size)       # read-your-writes

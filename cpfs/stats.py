@@ -1,0 +1,70 @@
+"""Live statistics of a mount: every layer's `statistics()` snapshot in one JSON document.
+
+A mount serves it as a hidden control file, `MOUNTPOINT/.cpfs-stats` (looked up by name, never listed,
+read-only, generated at each open), so tools find a mount's figures from its path with no socket to
+discover; `cpfs stats MOUNTPOINT [--json] [--watch]` reads it. Each layer owns its counters: this module
+only gathers the frozen snapshots (keyword dataclasses) and formats them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+CONTROL_NAME = ".cpfs-stats"
+CONTROL_INO = 0x7FFF_FFFF_FFFF_FF00      # far above the inode numbers the namespace hands out
+MiB = 1024 * 1024
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any]) -> bytes:
+    """The JSON document: stores (requests, bytes, errors, latency), their health, replica reads
+    (hedges, repairs), the chunk cache, the readahead scheduler, the catalog, and the mount's own."""
+    doc = {
+        "time": time.time(),
+        "stores": _plain(pool.statistics()),
+        "health": _plain(pool.health()),
+        "replicas": _plain(pool.replica_statistics()),
+        "cache": _plain(scheduler.cache.statistics()),
+        "scheduler": _plain(scheduler.statistics()),
+        "catalog": _plain(catalog.statistics()),
+        "mount": mount,
+    }
+    return json.dumps(doc, indent=1).encode() + b"\n"
+
+
+def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
+    """A screenful for people: per store, then the cache and the scheduler. With `before` (an earlier
+    document), rates over the interval between the two."""
+    dt = (now["time"] - before["time"]) if before else 0.0
+    old = {s["name"]: s for s in before["stores"]} if before else {}
+    up = {h["name"]: h["up"] for h in now["health"]}
+    lines = [f"{'store':<12} {'up':<3} {'requests':>9} {'errors':>7} {'in flight':>9} "
+             f"{'read MiB':>9} {'written MiB':>11} {'latency ms':>10}" + (f" {'read MiB/s':>10}" if dt else "")]
+    for s in now["stores"]:
+        line = (f"{s['name']:<12} {'yes' if up.get(s['name'], True) else 'NO':<3} {s['requests']:>9} "
+                f"{s['errors']:>7} {s['outstanding']:>9} {s['bytes_read'] / MiB:>9.1f} "
+                f"{s['bytes_written'] / MiB:>11.1f} {s['latency_ewma'] * 1000:>10.2f}")
+        if dt:
+            prev = old.get(s["name"], s)
+            line += f" {(s['bytes_read'] - prev['bytes_read']) / MiB / dt:>10.1f}"
+        lines.append(line)
+    c, sc, r = now["cache"], now["scheduler"], now["replicas"]
+    lines.append(f"cache: {c['used'] / MiB:.0f} of {c['budget'] / MiB:.0f} MiB, {c['hits']} hits, "
+                 f"{c['misses']} misses, {c['evictions']} evictions")
+    lines.append(f"reads: {sc['reads']} requests, {sc['read_bytes'] / MiB:.1f} MiB; fetches: {sc['demand_fetches']} "
+                 f"on demand, {sc['prefetches']} prefetched ({sc['prefetch_failures']} failed), "
+                 f"{sc['inflight']} in flight; {sc['pushed']} chunks pushed to the page cache")
+    lines.append(f"replicas: {r['reads']} reads, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
+                 f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")
+    m = now["mount"]
+    lines.append(f"mount: {m['files']} files, {m['open_handles']} open handles, {m['writing']} being written")
+    return "\n".join(lines)
