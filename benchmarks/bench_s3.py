@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_load import checkpoint_for
-from .common import (MiB, ROOT, BenchError, Mount, cpfs, drop_caches, human, is_mounted, mounted, parse_size,
+from .common import (MiB, BenchError, Mount, cpfs, drop_caches, human, is_mounted, mounted, parse_size, run_child,
                      pid_alive, print_daemon_report, remove_tree, timed_load, touch_memory)
 from .make_checkpoint import make_checkpoint
 
@@ -428,15 +428,7 @@ def log_tail(log: Path, lines: int = 5) -> str:
 def timed_get(endpoint: str, bucket: str, key: str, touch: int, timeout: float = 1800) -> dict[str, Any]:
     """One cold GET of the whole object in a fresh python: {"seconds", "size", "blake3", "note"}."""
     cmd = [sys.executable, "-m", "benchmarks.bench_s3", "get", endpoint, bucket, key, "--touch", str(touch)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"plain GET did not finish in {timeout:.0f} s") from None
-    lines = r.stdout.strip().splitlines()
-    if r.returncode != 0 or not lines:
-        tail = "\n    ".join(r.stderr.strip().splitlines()[-8:])
-        raise BenchError(f"plain GET failed (exit {r.returncode}):\n    {tail}")
-    return json.loads(lines[-1])
+    return run_child(cmd, timeout)
 
 
 def _child_get(argv: list[str]) -> int:

@@ -300,7 +300,7 @@ def timed_load(path: Path, *, cold: bool, mmap: bool = False, touch: int = 0, fi
     `touch` bytes of memory are written and freed before the timer starts."""
     cmd = [sys.executable, "-m", "benchmarks.common", "load", str(path), "--touch", str(touch)]
     cmd += (["--cold"] if cold else []) + (["--mmap"] if mmap else []) + ([] if fingerprint else ["--no-fingerprint"])
-    return LoadResult(**_run_child(cmd, timeout))
+    return LoadResult(**run_child(cmd, timeout))
 
 
 @dataclass(frozen=True)
@@ -315,10 +315,11 @@ def timed_read(path: Path, *, cold: bool, touch: int = 0, block: int = MiB, time
     """Read the whole file with `block`-sized reads (cat file > /dev/null) in a fresh subprocess."""
     cmd = [sys.executable, "-m", "benchmarks.common", "read", str(path), "--touch", str(touch),
            "--block", str(block)] + (["--cold"] if cold else [])
-    return ReadResult(**_run_child(cmd, timeout))
+    return ReadResult(**run_child(cmd, timeout))
 
 
-def _run_child(cmd: list[str], timeout: float) -> dict[str, Any]:
+def run_child(cmd: list[str], timeout: float) -> dict[str, Any]:
+    """A benchmark step in a fresh python: its last stdout line is a JSON result."""
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -530,12 +530,18 @@ class CpfsOperations(pyfuse3.Operations):
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         """A folder is committed like a file (a manifest with no chunks), so every mount sees it, empty
         or not."""
-        node = self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=True)
-        folder = Manifest(path=node.path, size=0, mtime_ns=time.time_ns(), mode=mode & 0o7777,
-                          chunk_size=self.config.chunk_size, chunks=(), version=0, directory=True)
+        return await self._create_committed(parent_inode, name, is_dir=True, mode=mode & 0o7777, directory=True)
+
+    async def _create_committed(self, parent_inode: int, name: bytes, *, is_dir: bool, mode: int,
+                                **kind: Any) -> pyfuse3.EntryAttributes:
+        """A new name whose first version (a folder, a symlink: no chunks) commits at once; the name
+        goes again if the commit fails."""
+        node = self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=is_dir)
+        first = Manifest(path=node.path, size=0, mtime_ns=time.time_ns(), mode=mode,
+                         chunk_size=self.config.chunk_size, chunks=(), version=0, **kind)
         try:
             with self._changing(node.path):
-                node.set_version(await self.catalog.commit(folder))
+                node.set_version(await self.catalog.commit(first))
         except BaseException:
             self.ns.remove(node)
             raise
@@ -613,16 +619,8 @@ class CpfsOperations(pyfuse3.Operations):
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         """A symbolic link is a version of its own: a manifest with a target and no chunks, committed
         at once (so every mount sees it), relative or absolute as given."""
-        node = self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=False)
-        link = Manifest(path=node.path, size=0, mtime_ns=time.time_ns(), mode=0o777,
-                        chunk_size=self.config.chunk_size, chunks=(), version=0, symlink=os.fsdecode(target))
-        try:
-            with self._changing(node.path):
-                node.set_version(await self.catalog.commit(link))
-        except BaseException:
-            self.ns.remove(node)
-            raise
-        return self.attributes(node)
+        return await self._create_committed(parent_inode, name, is_dir=False, mode=0o777,
+                                            symlink=os.fsdecode(target))
 
     @boundary
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
