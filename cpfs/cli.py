@@ -1,4 +1,4 @@
-"""The `cpfs` command: put, ls, inspect, cat, rm, log, restore, mount.
+"""The `cpfs` command: put, ls, inspect, cat, rm, log, restore, gc, scrub, mount.
 
 User errors print one line without a traceback: exit 2 for bad configuration, 1 for anything else.
 """
@@ -20,7 +20,7 @@ import trio
 from . import daemon, stats
 from .cache import ChunkCache
 from .catalog import Catalog, Unreadable
-from .config import Config, load_config
+from .config import GC_GRACE_FLOOR, Config, load_config, parse_duration
 from .errors import ConfigError, CpfsError, NotFound
 from .importer import Importer
 from .manifest import Summary, normalize_path
@@ -239,6 +239,41 @@ async def cmd_restore(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_scrub(config: Config, args: argparse.Namespace) -> int:
+    """Check (and with --repair restore) every copy of every chunk and manifest; cpfs/scrub.py."""
+    from tqdm import tqdm
+
+    from .scrub import Scrubber, render
+
+    pool, catalog = await _open(config)
+    scrubber = Scrubber(pool, catalog)
+
+    def draw(bar: tqdm) -> None:
+        s = scrubber.statistics()
+        chunks = s.phase in ("chunks", "done")
+        bar.unit = " chunks" if chunks else " manifest copies"
+        bar.total = s.chunks_total if chunks else None
+        bar.n = s.chunks if chunks else s.manifest_copies
+        bar.set_description(s.phase)
+        bar.set_postfix_str(f"{s.bytes_read / 2**20:.0f} MiB read, {s.found} problems")
+
+    async def show(bar: tqdm) -> None:
+        while True:
+            draw(bar)
+            await trio.sleep(0.2)
+
+    with tqdm(disable=args.json or not sys.stderr.isatty(), file=sys.stderr) as bar:
+        async with trio.open_nursery() as n:
+            if not bar.disable:
+                n.start_soon(show, bar)
+            report = await scrubber.run([args.path] if args.path else [], repair=args.repair)
+            n.cancel_scope.cancel()
+        if not bar.disable:
+            draw(bar)
+    print(json.dumps(report.to_json(), indent=1) if args.json else render(report))
+    return 0 if report.ok else 1
+
+
 async def cmd_stats(config: Config, args: argparse.Namespace) -> int:
     """A mount's live figures, from its control file (cpfs/stats.py); --watch adds rates."""
     control = Path(args.mountpoint) / stats.CONTROL_NAME
@@ -258,6 +293,32 @@ async def cmd_stats(config: Config, args: argparse.Namespace) -> int:
             return 0
         before = now
         await trio.sleep(args.watch)
+
+
+async def cmd_gc(config: Config, args: argparse.Namespace) -> int:
+    """Delete unreferenced chunks and leftovers older than the grace (cpfs/gc.py); exit 1 if it refused."""
+    from .gc import GarbageCollector
+
+    grace = config.gc_grace if args.grace is None else args.grace
+    if grace < config.gc_grace:
+        raise ConfigError(f"--grace {grace:g}s is below gc_grace ({config.gc_grace:g}s) of {config.source}: "
+                          f"mounts refresh a chunk they reuse only once it is older than gc_grace/2, so a "
+                          f"shorter grace could delete one a commit in flight counts on (lower gc_grace for "
+                          f"the mounts first)")
+    pool, _ = await _open(config)
+    report = await GarbageCollector(pool, grace=grace, dry_run=args.dry_run).run()
+    print(json.dumps(report.to_json(), indent=1) if args.json else "\n".join(report.lines(_human)))
+    return 1 if report.refused else 0
+
+
+def _grace(text: str) -> float:
+    try:
+        seconds = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if seconds < GC_GRACE_FLOOR:
+        raise argparse.ArgumentTypeError(f"must be at least {GC_GRACE_FLOOR:g}s, got {text!r}")
+    return seconds
 
 
 def cmd_mount(config: Config, args: argparse.Namespace) -> int:
@@ -300,11 +361,20 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("rm", parents=[common], help="remove a file (or, with -r, a folder)")
     s.add_argument("path")
     s.add_argument("-r", "--recursive", action="store_true")
+    s = sub.add_parser("scrub", parents=[common], help="check every copy of every chunk and manifest")
+    s.add_argument("path", nargs="?", help="only the files at or under PATH")
+    s.add_argument("--repair", action="store_true", help="restore `replicas` good copies of everything")
+    s.add_argument("--json", action="store_true")
     s = sub.add_parser("stats", parents=[common], help="a mount's live figures (stores, cache, readahead)")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
     s.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
                    help="print again every SECONDS (1), with rates over the interval")
+    s = sub.add_parser("gc", parents=[common], help="delete chunks no kept version names (older than the grace)")
+    s.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--grace", type=_grace, metavar="DURATION",
+                   help="only objects older than this (default: gc_grace; not below it)")
     s = sub.add_parser("mount", parents=[common], help="mount; returns once the mount is live")
     s.add_argument("mountpoint")
     s.add_argument("--foreground", action="store_true", help="stay attached; SIGINT/SIGTERM unmount")
@@ -315,7 +385,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"put": cmd_put, "ls": cmd_ls, "inspect": cmd_inspect, "cat": cmd_cat, "rm": cmd_rm,
-            "log": cmd_log, "restore": cmd_restore, "stats": cmd_stats}
+            "log": cmd_log, "restore": cmd_restore, "gc": cmd_gc, "stats": cmd_stats, "scrub": cmd_scrub}
 
 
 def _leaves(e: BaseException) -> list[BaseException]:

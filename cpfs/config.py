@@ -24,7 +24,8 @@ _SIZE_UNITS = {
     "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
     "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
 }
-_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+GC_GRACE_FLOOR = 60.0       # seconds: a shorter gc_grace leaves a commit too little time (cpfs/gc.py)
 _NUM = r"\s*([0-9]+(?:\.[0-9]+)?)\s*"
 
 
@@ -48,10 +49,10 @@ def parse_duration(value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
     if isinstance(value, str):
-        m = re.fullmatch(_NUM + r"(us|ms|s)?\s*", value)
+        m = re.fullmatch(_NUM + r"(us|ms|s|m|h)?\s*", value)
         if m:
             return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
-    raise ValueError(f"expected a duration such as '5ms' or '2s', got {value!r}")
+    raise ValueError(f"expected a duration such as '5ms', '2s', '10m' or '1h', got {value!r}")
 
 
 def parse_rate(value: Any) -> float:
@@ -109,6 +110,8 @@ class Config:
     replicas: int = 2
     write_quorum: int = 2
     keep_versions: int = 3          # committed versions kept per path (older manifests are retired)
+    gc_grace: float = 3600.0        # gc deletes only objects older than this; dedup touches reused
+                                    # copies older than half of it (cpfs/gc.py)
     chunk_size: int = 4 * 1024**2
     compression: str = "lz4"
     cache_memory: int = 1024**3
@@ -142,6 +145,7 @@ _TOP = {
     "replicas": ("replicas", int),
     "write_quorum": ("write_quorum", int),
     "keep_versions": ("keep_versions", int),
+    "gc_grace": ("gc_grace", parse_duration),
     "chunk_size": ("chunk_size", parse_size),
     "compression": ("compression", str),
     "log_level": ("log_level", str),
@@ -311,6 +315,9 @@ def parse_config(text: str, source: str, base: Path) -> Config:
         raise _fail(source, "store_defaults.hedges", "must be 0 (no hedged reads) or more")
     if values.get("hedge_min", Config.hedge_min) > values.get("hedge_max", Config.hedge_max):
         raise _fail(source, "store_defaults.hedge_min", "must not exceed store_defaults.hedge_max")
+    if values.get("gc_grace", GC_GRACE_FLOOR) < GC_GRACE_FLOOR:
+        raise _fail(source, "gc_grace", f"must be at least {GC_GRACE_FLOOR:g}s: a commit must finish within "
+                                        f"half of it (see cpfs gc), got {values['gc_grace']:g}s")
     if values.get("keep_versions", 1) < 1:
         raise _fail(source, "keep_versions", "must be at least 1 (the current version)")
     if not 1 <= values["write_quorum"] <= replicas:

@@ -17,7 +17,8 @@ The pool holds replica policy, nothing about any one kind of store:
   in the background (`run()`), logged with store, chunk and file; a full repair queue drops the job
   (scrub finds it later) rather than hold a read;
 - dedup never trusts a replica blindly: `store_chunk` reuses a copy only after checking it against the
-  encoded chunk in hand, and rewrites copies that a read found corrupt (`_suspects`).
+  encoded chunk in hand, and rewrites copies that a read found corrupt (`_suspects`); a copy it reuses
+  that is older than gc_grace/2 is touched first, so that a concurrent gc spares it (cpfs/gc.py).
 
 Ranking: least expected wait first, (requests in flight + 1) x recent latency (floored, so local
 stores of similar speed spread by requests in flight), so concurrent fetches use every store.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +40,8 @@ from . import chunk as chunkfmt
 from .config import Config
 from .errors import ChunkUnavailable, ConfigError, CorruptChunk, NoSuchObject, StoreError, StoreUnavailable
 from .manifest import ChunkEntry
-from .store import MeteredStore, Store, StoreStats, open_store
+from .placement import place
+from .store import MeteredStore, ObjectInfo, Store, StoreStats, open_store
 from .sync import FanOut, fan_out, quorum
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ class ReplicaStats:
     hedges_in_flight: int
     hedges_skipped: int       # slow reads not hedged because `hedges` were in flight
     repairs_dropped: int      # read repairs not queued because the queue was full
+    touched: int              # old copies dedup reused and touched, so that a gc spares them
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ class StorePool:
         self._repairs_dropped = 0
         self._reads = self._fallbacks = self._hedges = self._hedges_won = 0
         self._hedging = self._hedges_skipped = 0
+        self._touched = 0
 
     # ------------------------------------------------------------------ state
 
@@ -127,7 +132,8 @@ class StorePool:
     def replica_statistics(self) -> ReplicaStats:
         return ReplicaStats(reads=self._reads, fallbacks=self._fallbacks, hedges=self._hedges,
                             hedges_won=self._hedges_won, hedges_in_flight=self._hedging,
-                            hedges_skipped=self._hedges_skipped, repairs_dropped=self._repairs_dropped)
+                            hedges_skipped=self._hedges_skipped, repairs_dropped=self._repairs_dropped,
+                            touched=self._touched)
 
     def health(self) -> list[StoreHealth]:
         return [self._health[n].snapshot(n) for n in self.names]
@@ -284,6 +290,16 @@ class StorePool:
     async def delete(self, name: str, key: str) -> None:
         await self._call(name, f"delete {key!r}", lambda s: s.delete(key))
 
+    async def stat(self, name: str, key: str) -> ObjectInfo:
+        return await self._call(name, f"stat {key!r}", lambda s: s.stat(key))
+
+    async def touch(self, name: str, key: str) -> None:
+        await self._call(name, f"touch {key!r}", lambda s: s.touch(key))
+
+    async def delete_if_older(self, name: str, key: str, before: float) -> bool:
+        """Delete `key` on store `name` if its mtime is before `before` (cpfs/gc.py); True if deleted."""
+        return await self._call(name, f"delete {key!r} if older", lambda s: s.delete_if_older(key, before))
+
     # ------------------------------------------------------------------ listing
 
     async def list_page(self, name: str, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
@@ -305,6 +321,20 @@ class StorePool:
     async def list_keys(self, name: str, prefix: str) -> list[str]:
         """Every key of store `name` starting with `prefix`, sorted."""
         return [k async for keys in self.iter_keys(name, prefix) for k in keys]
+
+    async def iter_info(self, name: str, prefix: str, page: int = 1000, *,
+                        temporary: bool = False) -> AsyncIterator[list[ObjectInfo]]:
+        """iter_keys with sizes and ages; with `temporary`, what interrupted puts left instead of objects."""
+        after = ""
+        while True:
+            what = f"list {'temporary files' if temporary else 'info'} {prefix!r} after {after!r}"
+            infos = await self._call(name, what, lambda s: (s.list_temporary if temporary else s.list_info)(
+                prefix, after, page))
+            if infos:
+                yield infos
+            if len(infos) < page:
+                return
+            after = infos[-1].key
 
     # ------------------------------------------------------------------ replicas
 
@@ -347,12 +377,13 @@ class StorePool:
         return min(cfg.hedge_max, max(cfg.hedge_min, p95))
 
     async def _read_replicas(self, names: Sequence[str], read: Callable[[str], Awaitable[T]],
-                             failed: Callable[[str, Exception], None]) -> T:
+                             failed: Callable[[str, Exception], None], then: Sequence[str] = ()) -> T:
         """read(name) on the replicas in rank order until one succeeds, hedged (see the module doc).
-        Stores that are down come last, as a last resort. Raises the last failure."""
-        ranked = iter(self.rank(names))
+        Stores that are down come last, as a last resort; the stores of `then` after all of `names`
+        (ranked among themselves). Raises the last failure."""
+        ranked = iter(self.rank(names) + [n for n in self.rank(then) if n not in names])
         last: Exception = NoSuchObject(",".join(names) or "-", "no replica")
-        send, recv = trio.open_memory_channel[tuple[str, float, bool, object]](len(names) or 1)
+        send, recv = trio.open_memory_channel[tuple[str, float, bool, object]](len(names) + len(then) or 1)
         running: dict[str, float] = {}          # replica -> when its read started
         hedged: set[str] = set()
 
@@ -455,8 +486,12 @@ class StorePool:
 
     async def fetch_chunk(self, entry: ChunkEntry, where: str) -> bytes:
         """Verified raw bytes of a chunk from the best replica that has them, exactly entry.raw_len
-        long. `where` ("file F offset O chunk N") goes into every log line about it."""
+        long. `where` ("file F offset O chunk N") goes into every log line about it.
+        The stores the manifest lists are tried first, then the chunk's current placement: where
+        `cpfs scrub --repair` puts the copies a replaced, removed or too short store list lacks."""
         key = chunkfmt.chunk_key(entry.digest)
+        placed = [n for n in place(entry.digest, self.names, min(self.config.replicas, len(self.names)))
+                  if n not in entry.stores]
         failures: list[str] = []
         damaged: list[str] = []             # replicas that are corrupt or missing: to repair
         blobs: dict[str, bytes] = {}
@@ -465,7 +500,8 @@ class StorePool:
             try:
                 blob = await self._call(name, f"get {key!r}", lambda s: s.get(key), allow_down=True)
             except NoSuchObject:
-                damaged.append(name)
+                if name in entry.stores:      # a placement store without a copy is not damaged
+                    damaged.append(name)
                 raise
             try:
                 raw = await trio.to_thread.run_sync(chunkfmt.decode, blob, entry.digest, limiter=self.cpu)
@@ -484,7 +520,7 @@ class StorePool:
             failures.append(f"{name}: {e}")
 
         try:
-            raw = await self._read_replicas(entry.stores, read, failed)
+            raw = await self._read_replicas(entry.stores, read, failed, then=placed)
         except (StoreError, CorruptChunk):
             pass
         else:
@@ -497,7 +533,8 @@ class StorePool:
                         self._repairs_dropped += 1
             return raw
         raise ChunkUnavailable(f"{where}: no replica of chunk {entry.digest[:16]} could be read "
-                               f"(stores {', '.join(entry.stores)}): {'; '.join(failures) or 'no known store'}")
+                               f"(stores {', '.join([*entry.stores, *placed])}): "
+                               f"{'; '.join(failures) or 'no known store'}")
 
     async def _copy_state(self, name: str, key: str, enc: chunkfmt.EncodedChunk) -> str:
         """"good", "missing" or "bad": the copy of the chunk on store `name`, checked against the blob in
@@ -510,15 +547,15 @@ class StorePool:
             return "bad"
         blob = enc.blob
         try:
-            size = await self.head(name, key)
+            info = await self.stat(name, key)
             data = None
-            if size == len(blob):
+            if info.size == len(blob):
                 if len(blob) <= VERIFY_FULL_MAX:
                     data = await self.get(name, key)
                     if data == blob:
-                        return "good"
+                        return await self._kept(name, key, info)
                 elif await self.get_range(name, key, 0, chunkfmt.HEADER_SIZE) == blob[:chunkfmt.HEADER_SIZE]:
-                    return "good"
+                    return await self._kept(name, key, info)
             if data is None:
                 data = await self.get(name, key)
         except NoSuchObject:
@@ -528,6 +565,21 @@ class StorePool:
         except CorruptChunk as e:
             log.warning("chunk %s: the copy on store %r is corrupt (%s): rewriting it", enc.digest[:16], name, e)
             return "bad"
+        return await self._kept(name, key, info)
+
+    async def _kept(self, name: str, key: str, info: ObjectInfo) -> str:
+        """"good" for a copy dedup reuses, once it is safe from a concurrent gc (cpfs/gc.py): a copy
+        older than gc_grace/2 is touched, then looked up again ("missing" if a gc took it meanwhile:
+        on a folder store a gc's claim is a rename, so a copy still there after the touch is kept)."""
+        if time.time() - info.mtime < self.config.gc_grace / 2:
+            return "good"
+        try:
+            await self.touch(name, key)
+            await self.stat(name, key)
+        except NoSuchObject:
+            log.info("chunk %s: the old copy on store %r went (a gc): writing it again", key, name)
+            return "missing"
+        self._touched += 1
         return "good"
 
     async def store_chunk(self, enc: chunkfmt.EncodedChunk, targets: Sequence[str], quorum: int) -> tuple[list[str], bool]:
@@ -548,4 +600,10 @@ class StorePool:
             wrote = True
 
         held = await self._put_quorum(targets, one, quorum, f"chunk {enc.digest[:16]}")
+        for name in targets:       # write_quorum < replicas: the copies that failed, completed later
+            if name not in held:
+                try:
+                    self._repair_send.send_nowait((name, key, enc.blob, f"chunk {enc.digest[:16]} (write)"))
+                except trio.WouldBlock:
+                    self._repairs_dropped += 1
         return held, wrote

@@ -320,3 +320,32 @@ async def test_read_repair_rewrites_corrupt_and_missing_replicas(tmp_path: Path,
     assert pool.health()[0].repairs == 2
     repaired = [r.getMessage() for r in caplog.records if "read repair" in r.getMessage()]
     assert len(repaired) == 2 and all("/ckpt.pt" in m and "'s0'" in m and entry.digest in m for m in repaired)
+
+
+async def test_a_copy_a_write_could_not_make_is_completed_in_the_background(tmp_path: Path) -> None:
+    """write_quorum 1 of 2: the write returns with one copy when the other store fails, and the pool
+    completes the missing copy in the background once it can."""
+
+    class FailFirstPut(FaultyStore):
+        failed = False
+
+        async def put(self, key: str, data) -> None:
+            if not self.failed:
+                self.failed = True
+                raise StoreError(self.name, "refusing the first put (test)", transient=False)
+            await super().put(key, data)
+
+    config = _config(tmp_path)
+    stores = _folders(config)
+    stores[1] = FailFirstPut(stores[1])
+    pool = StorePool(config, stores=stores)
+    enc = chunkfmt.encode(os.urandom(60_000))
+    async with trio.open_nursery() as n:
+        await n.start(pool.run)
+        held, _ = await pool.store_chunk(enc, ["s0", "s1"], quorum=1)
+        assert held == ["s0"]
+        with trio.fail_after(10):
+            while not _copy(tmp_path, "s1", enc.digest).exists():
+                await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert chunkfmt.decode(_copy(tmp_path, "s1", enc.digest).read_bytes(), enc.digest) is not None

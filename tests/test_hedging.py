@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 import os
+import time
 
 import pytest
 import trio
@@ -19,7 +20,7 @@ from cpfs.config import parse_config
 from cpfs.errors import NoSuchObject
 from cpfs.manifest import ChunkEntry
 from cpfs.pool import StorePool
-from cpfs.store import FaultyStore, Store, ThrottledStore
+from cpfs.store import FaultyStore, ObjectInfo, Store, ThrottledStore
 
 
 class MemoryStore(Store):
@@ -28,6 +29,7 @@ class MemoryStore(Store):
     def __init__(self, name: str) -> None:
         self.name = name
         self.objects: dict[str, bytes] = {}
+        self.mtimes: dict[str, float] = {}      # objects set up directly in `objects` count as ancient
 
     async def get(self, key: str) -> bytes:
         try:
@@ -41,8 +43,16 @@ class MemoryStore(Store):
     async def head(self, key: str) -> int:
         return len(await self.get(key))
 
+    async def stat(self, key: str) -> ObjectInfo:
+        return ObjectInfo(key=key, size=len(await self.get(key)), mtime=self.mtimes.get(key, 0.0))
+
+    async def touch(self, key: str) -> None:
+        await self.get(key)
+        self.mtimes[key] = time.time()
+
     async def put(self, key: str, data: bytes | memoryview) -> None:
         self.objects[key] = bytes(data)
+        self.mtimes[key] = time.time()
 
     async def delete(self, key: str) -> None:
         self.objects.pop(key, None)
@@ -50,6 +60,9 @@ class MemoryStore(Store):
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
         keys = sorted(k for k in self.objects if k.startswith(prefix))
         return keys[bisect.bisect_right(keys, start_after):][:limit]
+
+    async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        return [await self.stat(k) for k in await self.list(prefix, start_after, limit)]
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from cpfs.config import parse_config
 from cpfs.errors import ChunkUnavailable, ConfigError, NoSuchObject, StoreError, StoreUnavailable
 from cpfs.manifest import ChunkEntry
 from cpfs.pool import StorePool
-from cpfs.store import DirectoryStore, FaultyStore, Store, ThrottledStore, open_store, registry
+from cpfs.store import DirectoryStore, FaultyStore, Store, StoreWrapper, ThrottledStore, open_store, registry
 from cpfs.store.directory import TMP_SUFFIX
 from tests.storekinds import STORE_FACTORIES
 
@@ -126,6 +127,62 @@ async def test_contract_overwrite_is_atomic(store: Store) -> None:
     assert await store.list("k/") == ["k/same"]
 
 
+CLOCK_SLACK = 2.0       # seconds: S3 keeps LastModified to the second
+
+
+def _folder_root(store: Store) -> Path | None:
+    """The folder under a folder store (wrapped or not), to age its files; None for other kinds."""
+    inner = store.innermost() if isinstance(store, StoreWrapper) else store
+    return inner.root if isinstance(inner, DirectoryStore) else None
+
+
+async def test_contract_every_object_has_an_age(store: Store) -> None:
+    """stat and list_info give each object's size and mtime (the store's clock, here this host's);
+    list_info pages like list; a folder of keys is no object; there are no temporary leftovers to list."""
+    t0 = time.time()
+    for key, data in (("chunks/ab/ab01", b"x" * 1000), ("chunks/ab/ab02", b""), ("chunks/cd/cd01", b"yy")):
+        await store.put(key, data)
+    info = await store.stat("chunks/ab/ab01")
+    assert (info.key, info.size) == ("chunks/ab/ab01", 1000)
+    assert t0 - CLOCK_SLACK <= info.mtime <= time.time() + CLOCK_SLACK
+    for key in ("chunks/ab/missing", "chunks/ab"):
+        with pytest.raises(NoSuchObject) as e:
+            await store.stat(key)
+        assert e.value.store == "s0"
+    infos = await store.list_info("chunks/")
+    assert [(i.key, i.size) for i in infos] == [("chunks/ab/ab01", 1000), ("chunks/ab/ab02", 0), ("chunks/cd/cd01", 2)]
+    assert all(t0 - CLOCK_SLACK <= i.mtime <= time.time() + CLOCK_SLACK for i in infos)
+    assert [i.key for i in await store.list_info("chunks/", start_after="chunks/ab/ab01", limit=1)] == ["chunks/ab/ab02"]
+    assert [i.key for i in await store.list_info("chunks/c")] == ["chunks/cd/cd01"]
+    assert await store.list_info("nothing/") == []
+    assert await store.list_temporary("") == []
+
+
+async def test_contract_touch_and_delete_if_older(store: Store) -> None:
+    """touch renews an object's mtime and keeps its bytes; delete_if_older deletes only an object older
+    than asked, and says whether it did; both take absent keys (NoSuchObject, False)."""
+    await store.put("chunks/ab/ab01", b"payload")
+    root = _folder_root(store)
+    if root is not None:                  # a folder's files can be aged; an S3 object cannot
+        old = time.time() - 7200
+        os.utime(root / "chunks/ab/ab01", (old, old))
+        assert (await store.stat("chunks/ab/ab01")).mtime == pytest.approx(old)
+    before = time.time()
+    await store.touch("chunks/ab/ab01")
+    info = await store.stat("chunks/ab/ab01")
+    assert info.mtime >= before - CLOCK_SLACK and info.size == 7
+    assert await store.get("chunks/ab/ab01") == b"payload"
+    with pytest.raises(NoSuchObject):
+        await store.touch("chunks/ab/missing")
+
+    assert not await store.delete_if_older("chunks/ab/ab01", time.time() - 3600)      # younger: kept
+    assert await store.get("chunks/ab/ab01") == b"payload"
+    assert await store.delete_if_older("chunks/ab/ab01", time.time() + 3600)
+    assert not await store.exists("chunks/ab/ab01")
+    assert not await store.delete_if_older("chunks/ab/ab01", time.time() + 3600)      # absent
+    assert await store.list("") == [] and await store.list_temporary("") == []
+
+
 # ---- DirectoryStore -------------------------------------------------------------------------------------
 
 async def test_directory_store_objects_are_files(tmp_path: Path) -> None:
@@ -226,6 +283,27 @@ async def test_list_refuses_escaping_prefix(tmp_path: Path, prefix: str) -> None
     await store.put("a/b", b"x")
     with pytest.raises(StoreError, match="invalid"):
         await store.list(prefix)
+
+
+async def test_temporary_files_are_listed_apart_and_reaped_by_age(tmp_path: Path) -> None:
+    """What a crashed put leaves (a temporary file beside its key) is never an object (list, list_info),
+    list_temporary shows it with its age, and delete_if_older removes it once it is old enough."""
+    store = DirectoryStore("d0", tmp_path / "d0")
+    await store.put("chunks/ab/ab01", b"done")
+    folder = tmp_path / "d0" / "chunks" / "ab"
+    (folder / f"ab02.1234{TMP_SUFFIX}").write_bytes(b"crashed")
+    (folder / f"ab03.5678{TMP_SUFFIX}").write_bytes(b"in progress")
+    old = time.time() - 7200
+    os.utime(folder / f"ab02.1234{TMP_SUFFIX}", (old, old))
+    assert await store.list("") == ["chunks/ab/ab01"]
+    assert [i.key for i in await store.list_info("")] == ["chunks/ab/ab01"]
+    temps = await store.list_temporary("")
+    assert [(i.key, i.size) for i in temps] == [(f"chunks/ab/ab02.1234{TMP_SUFFIX}", 7),
+                                                 (f"chunks/ab/ab03.5678{TMP_SUFFIX}", 11)]
+    assert temps[0].mtime == pytest.approx(old)
+    cutoff = time.time() - 3600
+    assert [await store.delete_if_older(i.key, cutoff) for i in temps] == [True, False]
+    assert _files(tmp_path / "d0") == ["chunks/ab/ab01", f"chunks/ab/ab03.5678{TMP_SUFFIX}"]
 
 
 async def test_check(tmp_path: Path) -> None:
@@ -397,6 +475,10 @@ async def test_pool_works_over_every_kind(store: Store, tmp_path: Path) -> None:
     assert [page async for page in pool.iter_keys("s0", "manifests/", page=3)] == [keys[0:3], keys[3:6], keys[6:]]
     assert await pool.list_keys("s0", "manifests/") == keys
     assert await pool.list_keys("s0", "") == [chunkfmt.chunk_key(enc.digest)] + keys
+    pages = [[(i.key, i.size) for i in page] async for page in pool.iter_info("s0", "manifests/", page=3)]
+    assert pages == [[(k, 1) for k in keys[0:3]], [(k, 1) for k in keys[3:6]], [(keys[6], 1)]]
+    assert (await pool.stat("s0", chunkfmt.chunk_key(enc.digest))).size == enc.stored_len
+    assert [page async for page in pool.iter_info("s0", "", temporary=True)] == []
 
 
 def _pool(tmp_path: Path, stores: int = 2) -> StorePool:
@@ -467,5 +549,6 @@ async def test_pool_all_replicas_bad(tmp_path: Path, caplog: pytest.LogCaptureFi
             await pool.fetch_chunk(entry, where)
     msg = str(e.value)
     assert msg.startswith(where) and enc.digest[:16] in msg
-    assert "s1" in msg and "s2" in msg and "s0" not in msg
-    assert sum(r.levelno == logging.WARNING for r in caplog.records) == 2
+    # The listed replicas, then the chunk's current placement (where scrub --repair puts copies): s0.
+    assert "s1" in msg and "s2" in msg and "s0" in msg
+    assert sum(r.levelno == logging.WARNING for r in caplog.records) == 3

@@ -8,14 +8,14 @@
 from __future__ import annotations
 
 from ..config import StoreConfig
-from .base import Store, StoreWrapper
+from .base import ObjectInfo, Store, StoreWrapper
 from .directory import DirectoryStore
 from .faulty import FaultStats, FaultyStore
 from .metered import MeteredStore, StoreStats
 from .registry import load as load_kind
 from .throttled import ThrottledStore
 
-__all__ = ["Store", "StoreWrapper", "DirectoryStore", "ThrottledStore", "FaultyStore", "FaultStats",
+__all__ = ["ObjectInfo", "Store", "StoreWrapper", "DirectoryStore", "ThrottledStore", "FaultyStore", "FaultStats",
            "MeteredStore", "StoreStats", "open_store"]
 
 

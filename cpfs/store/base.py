@@ -2,6 +2,8 @@
 
 Keys are '/'-separated ASCII names ("chunks/ab/ab12...", "manifests/..."). Stores know nothing of
 chunks or manifests; everything above builds on these primitives, through the StorePool only.
+Every object has an age (`stat`, `list_info`: its mtime by the store's clock), which `touch` renews
+and `delete_if_older` judges: the garbage collector's primitives (cpfs/gc.py).
 
 A store is a stack: a kind (a folder, an S3 bucket) wrapped by behaviours (a simulated link, injected
 faults, metering), each a `StoreWrapper` that overrides only what it changes.
@@ -14,8 +16,18 @@ never time out on their own: the pool does both, so a store method must be cance
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 from ..errors import NoSuchObject
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object as `stat` and `list_info` see it. `mtime` (seconds since the epoch, by the store's
+    clock) is when it was last written or touched: the garbage collector's measure of age (cpfs/gc.py)."""
+    key: str
+    size: int
+    mtime: float
 
 
 class Store(abc.ABC):
@@ -33,9 +45,18 @@ class Store(abc.ABC):
         """Bytes [start, start+length) of the object, short at its end (empty past it);
         NoSuchObject if absent."""
 
-    @abc.abstractmethod
     async def head(self, key: str) -> int:
         """The stored size of the object; NoSuchObject if absent."""
+        return (await self.stat(key)).size
+
+    @abc.abstractmethod
+    async def stat(self, key: str) -> ObjectInfo:
+        """Size and age of the object; NoSuchObject if absent."""
+
+    @abc.abstractmethod
+    async def touch(self, key: str) -> None:
+        """Make the object's mtime now (the store's clock), its bytes unchanged; NoSuchObject if absent.
+        Dedup touches an old copy it reuses, so that a concurrent gc spares it (cpfs/gc.py)."""
 
     @abc.abstractmethod
     async def put(self, key: str, data: bytes | memoryview) -> None:
@@ -52,10 +73,33 @@ class Store(abc.ABC):
     async def delete(self, key: str) -> None:
         """Remove; absent keys are not an error (deletes are retried after partial failures)."""
 
+    async def delete_if_older(self, key: str, before: float) -> bool:
+        """Delete the object if its mtime is before `before` (seconds since the epoch); True if this call
+        deleted it, False if it is absent or younger. Here a stat, then a delete: a touch that lands
+        between the two is lost with the object. Kinds that can do better override it (the folder store
+        claims the object by a rename and checks its age after that)."""
+        try:
+            info = await self.stat(key)
+        except NoSuchObject:
+            return False
+        if info.mtime >= before:
+            return False
+        await self.delete(key)
+        return True
+
     @abc.abstractmethod
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
         """One page: the first `limit` keys (sorted) that start with `prefix` and sort after
         `start_after`. A page shorter than `limit` is the last one."""
+
+    @abc.abstractmethod
+    async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        """`list`, with each key's size and mtime."""
+
+    async def list_temporary(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        """One page, as `list_info`, of what interrupted puts left behind (the folder store's temporary
+        files), named so that `delete_if_older` removes them. Kinds whose puts leave nothing have none."""
+        return []
 
     async def check(self) -> None:
         """Raise StoreError if the store cannot be used (at startup, and to probe a store marked down):
@@ -82,6 +126,12 @@ class StoreWrapper(Store):
     async def head(self, key: str) -> int:
         return await self.inner.head(key)
 
+    async def stat(self, key: str) -> ObjectInfo:
+        return await self.inner.stat(key)
+
+    async def touch(self, key: str) -> None:
+        await self.inner.touch(key)
+
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self.inner.put(key, data)
 
@@ -91,8 +141,17 @@ class StoreWrapper(Store):
     async def delete(self, key: str) -> None:
         await self.inner.delete(key)
 
+    async def delete_if_older(self, key: str, before: float) -> bool:
+        return await self.inner.delete_if_older(key, before)
+
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
         return await self.inner.list(prefix, start_after, limit)
+
+    async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        return await self.inner.list_info(prefix, start_after, limit)
+
+    async def list_temporary(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        return await self.inner.list_temporary(prefix, start_after, limit)
 
     async def check(self) -> None:
         await self.inner.check()

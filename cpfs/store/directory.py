@@ -1,8 +1,11 @@
 """A store that is a folder: local NVMe, NFS, Lustre.
 
 Objects are files named by their key. Puts write a unique temporary name, fsync it, rename it over the
-final name and fsync the folder, so a crash leaves either the old object or the new one. All blocking
-calls run in worker threads under this store's own limiter, so a slow mount never stalls the event loop.
+final name and fsync the folder, so a crash leaves either the old object or the new one; a crash
+before the rename leaves the temporary file (`list_temporary`, removed by gc once old). An object's age
+is its file's mtime; `delete_if_older` renames the file to a temporary name before it judges the age,
+so a `touch` either lands before (the file is put back) or finds no object. All blocking calls run in
+worker threads under this store's own limiter, so a slow mount never stalls the event loop.
 
 Caveat: a thread stuck in a hung NFS call cannot be stopped. On cancellation (the pool's timeout) the
 thread is abandoned: the caller moves on at once, the thread finishes (or not) on its own and keeps its
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..errors import NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
-from .base import Store
+from .base import ObjectInfo, Store
 
 if TYPE_CHECKING:
     from ..config import StoreConfig
@@ -192,6 +195,65 @@ class DirectoryStore(Store):
             raise NoSuchObject(self.name, f"no object {key!r}")
         return size
 
+    def _stat_sync(self, path: Path) -> os.stat_result:
+        """The regular file's stat; FileNotFoundError for a folder of keys (no object)."""
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileNotFoundError(errno.ENOENT, "not an object", str(path))
+        return st
+
+    async def stat(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        try:
+            st = await self._run(self._stat_sync, path)
+        except OSError as e:
+            raise self._error(e, key) from None
+        return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
+
+    def _touch_sync(self, path: Path) -> None:
+        self._stat_sync(path)
+        os.utime(path)           # now, by the file server's clock (NFS sets the server's time)
+
+    async def touch(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            await self._run(self._touch_sync, path)
+        except OSError as e:
+            raise self._error(e, key) from None
+
+    def _reap_sync(self, path: Path, before: float) -> bool:
+        """Delete the file if it is older than `before`, atomically against `touch`: claim it by a rename
+        first (a touch or read after that finds no object), then judge its age; a file touched before
+        the claim is renamed back. The open before the fstat makes NFS revalidate the attributes."""
+        try:
+            if self._stat_sync(path).st_mtime >= before:
+                return False
+            claim = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+            os.rename(path, claim)
+        except FileNotFoundError:
+            return False
+        try:
+            fd = os.open(claim, os.O_RDONLY)
+            try:
+                young = os.fstat(fd).st_mtime >= before
+            finally:
+                os.close(fd)
+            if young:
+                os.rename(claim, path)  # a put of the same key meanwhile wrote the same bytes
+                return False
+            os.unlink(claim)
+        except FileNotFoundError:
+            # Another gc's sweep of temporary files took the claim: it judged the same mtime old too.
+            return False
+        return True
+
+    async def delete_if_older(self, key: str, before: float) -> bool:
+        path = self._path(key)
+        try:
+            return await self._run(self._reap_sync, path, before)
+        except OSError as e:
+            raise self._error(e, key) from None
+
     def _makedirs(self, folder: Path, top: Path | None = None) -> None:
         """Create the folders between `top` (default: the store's root, never made again once it
         existed) and `folder`, each with dir_mode (exactly: chmod, whatever the umask) and fsynced into
@@ -256,16 +318,18 @@ class DirectoryStore(Store):
         except OSError as e:
             raise self._error(e, key) from None
 
-    def _walk(self, folder: str, prefix: str, start_after: str) -> Iterator[str]:
-        """Keys under `folder` ("" or "a/b/") in sorted order, pruned to those that can start with
-        `prefix` and sort after `start_after`. Siblings sort by name, folders as "name/", so that the
-        depth-first order is the order of the whole keys ("a-b" < "a/c" since "-" < "/")."""
+    def _walk(self, folder: str, prefix: str, start_after: str,
+              temporary: bool = False) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """Keys under `folder` ("" or "a/b/") in sorted order, with their entries, pruned to those that
+        can start with `prefix` and sort after `start_after`; temporary files instead of objects if
+        `temporary`. Siblings sort by name, folders as "name/", so that the depth-first order is the
+        order of the whole keys ("a-b" < "a/c" since "-" < "/")."""
         try:
             with os.scandir(self.root / folder if folder else self.root) as it:
                 entries = [(e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e) for e in it]
         except (FileNotFoundError, NotADirectoryError):
             return
-        for name, _ in sorted(entries, key=lambda ne: ne[0]):
+        for name, entry in sorted(entries, key=lambda ne: ne[0]):
             key = folder + name
             if not (key.startswith(prefix) or prefix.startswith(key)):
                 continue
@@ -273,15 +337,46 @@ class DirectoryStore(Store):
                 # Every key below sorts after start_after, or none does, unless start_after is below.
                 if key <= start_after and not start_after.startswith(key):
                     continue
-                yield from self._walk(key, prefix, start_after)
-            elif key > start_after and key.startswith(prefix) and not name.endswith(TMP_SUFFIX):
-                yield key
+                yield from self._walk(key, prefix, start_after, temporary)
+            elif key > start_after and key.startswith(prefix) and name.endswith(TMP_SUFFIX) == temporary:
+                yield key, entry
 
     def _list_sync(self, prefix: str, start_after: str, limit: int) -> list[str]:
         if self._gone():
             raise StoreUnavailable(self.name, f"folder {self.root} is gone")
         head, _, _ = prefix.rpartition("/")
-        return list(itertools.islice(self._walk(head + "/" if head else "", prefix, start_after), limit))
+        keys = self._walk(head + "/" if head else "", prefix, start_after)
+        return [k for k, _ in itertools.islice(keys, limit)]
+
+    def _list_info_sync(self, prefix: str, start_after: str, limit: int, temporary: bool) -> list[ObjectInfo]:
+        if self._gone():
+            raise StoreUnavailable(self.name, f"folder {self.root} is gone")
+        head, _, _ = prefix.rpartition("/")
+        out: list[ObjectInfo] = []
+        for key, entry in self._walk(head + "/" if head else "", prefix, start_after, temporary):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue                  # deleted since the folder was read
+            out.append(ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime))
+            if len(out) == limit:
+                break
+        return out
+
+    async def _list_info(self, prefix: str, start_after: str, limit: int, temporary: bool) -> list[ObjectInfo]:
+        self._check_prefix(prefix)
+        if limit < 1:
+            raise StoreError(self.name, f"invalid list limit {limit}")
+        try:
+            return await self._run(self._list_info_sync, prefix, start_after, limit, temporary)
+        except OSError as e:
+            raise self._error(e, prefix) from None
+
+    async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        return await self._list_info(prefix, start_after, limit, False)
+
+    async def list_temporary(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        return await self._list_info(prefix, start_after, limit, True)
 
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
         self._check_prefix(prefix)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import trio
 
 from ..errors import StoreError, StoreUnavailable
-from .base import Store, StoreWrapper
+from .base import ObjectInfo, Store, StoreWrapper
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,14 @@ class FaultyStore(StoreWrapper):
         await self._fault("head", key)
         return await self.inner.head(key)
 
+    async def stat(self, key: str) -> ObjectInfo:
+        await self._fault("stat", key)
+        return await self.inner.stat(key)
+
+    async def touch(self, key: str) -> None:
+        await self._fault("touch", key)
+        await self.inner.touch(key)
+
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self._fault("put", key)
         await self.inner.put(key, data)
@@ -93,9 +101,21 @@ class FaultyStore(StoreWrapper):
         await self._fault("delete", key)
         await self.inner.delete(key)
 
+    async def delete_if_older(self, key: str, before: float) -> bool:
+        await self._fault("delete", key)
+        return await self.inner.delete_if_older(key, before)
+
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
         await self._fault("list", prefix)
         return await self.inner.list(prefix, start_after, limit)
+
+    async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        await self._fault("list", prefix)
+        return await self.inner.list_info(prefix, start_after, limit)
+
+    async def list_temporary(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        await self._fault("list", prefix)
+        return await self.inner.list_temporary(prefix, start_after, limit)
 
     async def check(self) -> None:
         await self._fault("check", "")

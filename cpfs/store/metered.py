@@ -12,7 +12,7 @@ from types import TracebackType
 import trio
 
 from ..errors import StoreError
-from .base import Store, StoreWrapper
+from .base import ObjectInfo, Store, StoreWrapper
 
 EWMA_WEIGHT = 0.2       # weight of the newest latency sample
 
@@ -88,6 +88,14 @@ class MeteredStore(StoreWrapper):
         with _Request(self):
             return await self.inner.head(key)
 
+    async def stat(self, key: str) -> ObjectInfo:
+        with _Request(self):
+            return await self.inner.stat(key)
+
+    async def touch(self, key: str) -> None:
+        with _Request(self):
+            await self.inner.touch(key)
+
     async def put(self, key: str, data: bytes | memoryview) -> None:
         with _Request(self):
             await self.inner.put(key, data)
@@ -101,9 +109,21 @@ class MeteredStore(StoreWrapper):
         with _Request(self):
             await self.inner.delete(key)
 
+    async def delete_if_older(self, key: str, before: float) -> bool:
+        with _Request(self):
+            return await self.inner.delete_if_older(key, before)
+
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
         with _Request(self):
             return await self.inner.list(prefix, start_after, limit)
+
+    async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        with _Request(self):
+            return await self.inner.list_info(prefix, start_after, limit)
+
+    async def list_temporary(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        with _Request(self):
+            return await self.inner.list_temporary(prefix, start_after, limit)
 
     async def check(self) -> None:
         with _Request(self):

@@ -25,6 +25,10 @@ that does not answer are transient; a missing bucket, denied access and bad cred
 Checksums: botocore computes and checks the optional S3 checksums only where the API requires them,
 since older Ceph and MinIO reject the newer default ones; cpfs verifies every chunk by its BLAKE3 anyway.
 
+Ages: an object's mtime is its LastModified (to the second); `touch` copies the object onto itself,
+server-side. `delete_if_older` is the interface's default, a HEAD then a DELETE: S3 offers no delete
+conditional on age, so a touch landing between the two is lost with the copy (cpfs/gc.py).
+
 Caveat: like the folder store, a call cancelled by the pool's timeout abandons its thread, which keeps
 its limiter token until botocore gives up (its own connect and read timeouts, set from `timeout`).
 """
@@ -40,7 +44,7 @@ from urllib.parse import urlsplit
 import trio
 
 from ..errors import NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
-from .base import Store
+from .base import ObjectInfo, Store
 
 if TYPE_CHECKING:
     from ..config import StoreConfig
@@ -273,6 +277,19 @@ class S3Store(Store):
         full = self._key(key)
         return await self._run(repr(key), lambda c: c.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
 
+    async def stat(self, key: str) -> ObjectInfo:
+        full = self._key(key)
+        resp = await self._run(repr(key), lambda c: c.head_object(Bucket=self.bucket, Key=full))
+        return ObjectInfo(key=key, size=resp["ContentLength"], mtime=resp["LastModified"].timestamp())
+
+    async def touch(self, key: str) -> None:
+        """A copy of the object onto itself (server-side, no bytes through us): S3 has no other way to
+        renew LastModified. REPLACE is what makes a self-copy legal; we keep no metadata to lose."""
+        full = self._key(key)
+        await self._run(f"touch {key!r}", lambda c: c.copy_object(
+            Bucket=self.bucket, Key=full, CopySource={"Bucket": self.bucket, "Key": full},
+            MetadataDirective="REPLACE"))
+
     async def put(self, key: str, data: bytes | memoryview) -> None:
         full = self._key(key)
         if len(data) > MAX_PUT:
@@ -288,26 +305,31 @@ class S3Store(Store):
             pass                                # S3 answers 204 anyway; some servers 404
 
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        return [info.key for info in await self.list_info(prefix, start_after, limit)]
+
+    async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
         if prefix.startswith("/") or ".." in prefix.split("/") or "\0" in prefix:
             raise StoreError(self.name, f"invalid prefix {prefix!r}")
         if limit < 1:
             raise StoreError(self.name, f"invalid list limit {limit}")
         full_prefix = self._base + prefix
 
-        def page(c: Any) -> list[str]:
+        def page(c: Any) -> list[ObjectInfo]:
             # A server may answer fewer keys than asked and say so (IsTruncated): go on until `limit`.
-            keys: list[str] = []
+            out: list[ObjectInfo] = []
             args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix}
             if start_after:
                 args["StartAfter"] = self._base + start_after
-            while len(keys) < limit:
-                resp = c.list_objects_v2(**args, MaxKeys=min(limit - len(keys), 1000))
+            while len(out) < limit:
+                resp = c.list_objects_v2(**args, MaxKeys=min(limit - len(out), 1000))
                 # The prefix itself may exist as an empty "folder" object made by an S3 console: not ours.
-                keys += [o["Key"][len(self._base):] for o in resp.get("Contents", ()) if o["Key"] != self._base]
+                out += [ObjectInfo(key=o["Key"][len(self._base):], size=o["Size"],
+                                   mtime=o["LastModified"].timestamp())
+                        for o in resp.get("Contents", ()) if o["Key"] != self._base]
                 if not resp.get("IsTruncated") or not resp.get("NextContinuationToken"):
                     break
                 args["ContinuationToken"] = resp["NextContinuationToken"]
-            return keys[:limit]
+            return out[:limit]
         return await self._run(f"list {prefix!r}", page)
 
     async def check(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import trio
 
-from .base import Store, StoreWrapper
+from .base import ObjectInfo, Store, StoreWrapper
 
 
 class ThrottledStore(StoreWrapper):
@@ -42,6 +42,14 @@ class ThrottledStore(StoreWrapper):
         await self._delay(trio.current_time(), 0)
         return await self.inner.head(key)
 
+    async def stat(self, key: str) -> ObjectInfo:
+        await self._delay(trio.current_time(), 0)
+        return await self.inner.stat(key)
+
+    async def touch(self, key: str) -> None:
+        await self._delay(trio.current_time(), 0)
+        await self.inner.touch(key)
+
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self._delay(trio.current_time(), len(data))
         await self.inner.put(key, data)
@@ -54,6 +62,18 @@ class ThrottledStore(StoreWrapper):
         await self._delay(trio.current_time(), 0)
         await self.inner.delete(key)
 
+    async def delete_if_older(self, key: str, before: float) -> bool:
+        await self._delay(trio.current_time(), 0)
+        return await self.inner.delete_if_older(key, before)
+
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
         await self._delay(trio.current_time(), 0)
         return await self.inner.list(prefix, start_after, limit)
+
+    async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        await self._delay(trio.current_time(), 0)
+        return await self.inner.list_info(prefix, start_after, limit)
+
+    async def list_temporary(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
+        await self._delay(trio.current_time(), 0)
+        return await self.inner.list_temporary(prefix, start_after, limit)

@@ -1,0 +1,301 @@
+"""Garbage collection (`cpfs gc`): delete the chunks no kept version names, and what crashed puts left.
+
+What is garbage. Every key under `manifests/` on every store is a version that is kept: ok, failed and
+deleted versions alike, and format-1 manifests. The chunks they name (by digest, whichever store holds
+a copy) are referenced. Any other chunk is garbage once it is older than the grace: chunks of retired
+versions, of uploads a writer superseded before committing, of commits that failed. So are the
+temporary files of puts that a crash interrupted (folder stores). Keys that are neither are left alone.
+
+Order, and why. Commits in other mounts run while gc does: a commit checks that the chunks it will name
+are on their stores (dedup, StorePool.store_chunk), then writes its manifest, and gc may look at such a
+chunk in between, when nothing names it yet. So gc
+  1. notes the time t0 and sets cutoff = t0 - grace (wall clock: ages are store mtimes);
+  2. lists every manifest key on every store and reads each once: the referenced digests R;
+  3. only then lists the chunks with their mtimes, and deletes each one that is not in R and older than
+     the cutoff with `delete_if_older(cutoff)`, which judges the age again at the moment of deletion;
+     then the temporary files older than the cutoff.
+
+Invariant: from the moment a commit checks a chunk copy until it writes its manifest at t_m, the copy's
+mtime is after t_m - grace. Mounts keep it: dedup touches a copy it reuses when the copy is older than
+gc_grace/2 (StorePool._kept), so after the check at t_c its mtime is after t_c - gc_grace/2 (a new copy
+is newer still); t_m is within gc_grace/2 of t_c (assumption 1) and grace >= gc_grace (assumption 3).
+Hence a chunk a commit counts on is never deleted: if the manifest was written before gc listed its
+folder, the chunk is in R; if after, t_m > t0, so the copy's mtime is after t0 - grace = cutoff:
+delete_if_older spares it.
+A touch that lands inside delete_if_older, between its age check and the deletion, remains: on folder
+stores that moment does not exist (the store claims the file by a rename before it judges the age,
+and dedup looks the copy up again after touching it: a copy a claim took is "missing" and written
+again); on S3, which has no delete conditional on age, it is one request round trip (HEAD, then DELETE).
+
+A listed version that is gone when gc reads it was retired by a newer commit of its path (or was the
+key of a commit that failed and took it back). That newer commit may name the chunks without having
+checked them (`cpfs restore` commits an old version's chunks as they are), so gc lists that path's
+folder again and reads what is new there. If a store's manifests cannot be listed, or a version cannot
+be read from any store that lists it, gc deletes nothing and says which: it cannot know what that
+version names.
+
+Assumptions (the caveats):
+1. A commit writes its manifest within gc_grace/2 of checking its first chunk (30 minutes for the
+   default "1h"): for a file written through a mount, write-behind checks chunks while the file is
+   written, so a file held open for writing longer than that before its close is at risk. Longer
+   saves need a longer gc_grace.
+2. The clocks of the stores' hosts (file servers, S3 endpoints) and of the host running gc agree within
+   a margin well below gc_grace/2.
+3. gc's grace is at least the gc_grace of every mount's config (a mount touches only copies older than
+   half of its own); `cpfs gc` refuses a `--grace` below its own config's gc_grace.
+4. gc runs with the mounts' stores (their config), and a listing shows every key written before it
+   began (folders; S3 and current RGW/MinIO are strongly consistent).
+5. A file written through a mount without O_TRUNC commits its unchanged base chunks by reference,
+   unchecked: they are safe while the base version is kept, so ≥ keep_versions commits of the same
+   path from other mounts during that session, and then a gc, could take them.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import trio
+
+from .errors import ManifestError, NoSuchObject, StoreError
+from .manifest import Manifest
+from .pool import StorePool
+from .store import ObjectInfo
+from .sync import fan_out
+from .upload import in_parallel
+
+log = logging.getLogger(__name__)
+
+MANIFESTS = "manifests/"
+CHUNKS = "chunks/"
+_CHUNK_KEY = re.compile(r"chunks/([0-9a-f]{2})/(\1[0-9a-f]{62})")
+_FOLDER = re.compile(r"(manifests/[0-9a-f]{40})(?:/[^/]+|\.json)")
+_READS = 32           # manifests read at once
+_DELETES = 16         # deletions in flight per store
+_RELISTS = 8          # rounds of re-listing folders whose versions vanished, before giving up
+
+
+@dataclass(frozen=True)
+class StoreSweep:
+    """What gc did on one store (on a dry run: what it would have deleted)."""
+    name: str
+    chunks: int               # chunk objects listed
+    deleted: int              # unreferenced chunks older than the grace, deleted
+    deleted_bytes: int
+    young: int                # unreferenced chunks kept: younger than the grace (or touched meanwhile)
+    young_bytes: int
+    temporary: int            # temporary files of interrupted puts older than the grace, deleted
+    temporary_bytes: int
+    errors: int               # requests that failed: the objects concerned stay, for the next run
+
+
+@dataclass(frozen=True)
+class GcReport:
+    grace: float              # seconds
+    dry_run: bool
+    manifests: int            # version keys read
+    referenced: int           # distinct chunks they name
+    refused: str              # why nothing was deleted; "" if the sweep ran
+    stores: tuple[StoreSweep, ...]
+
+    @property
+    def freed_objects(self) -> int:
+        return sum(s.deleted + s.temporary for s in self.stores)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(s.deleted_bytes + s.temporary_bytes for s in self.stores)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "grace": self.grace, "manifests": self.manifests,
+                "referenced_chunks": self.referenced, "refused": self.refused or None,
+                "freed_objects": self.freed_objects, "freed_bytes": self.freed_bytes,
+                "stores": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.stores]}
+
+    def lines(self, size: Callable[[float], str] = lambda n: f"{int(n)} B") -> list[str]:
+        """The report for a terminal; `size` formats byte counts."""
+        head = (f"gc: read {self.manifests} version(s), naming {self.referenced} chunk(s); "
+                f"grace {_duration(self.grace)}" + ("; dry run, nothing deleted" if self.dry_run else ""))
+        if self.refused:
+            return [head, f"refused, nothing deleted: {self.refused}"]
+        verb = "would delete" if self.dry_run else "deleted"
+        out = [head]
+        for s in self.stores:
+            out.append(f"  {s.name}: {verb} {s.deleted} chunks ({size(s.deleted_bytes)}) and {s.temporary} "
+                       f"temporary files ({size(s.temporary_bytes)}); kept {s.young} unreferenced chunks "
+                       f"younger than the grace ({size(s.young_bytes)}); {s.chunks} chunks listed"
+                       + (f"; {s.errors} requests failed" if s.errors else ""))
+        out.append(f"{'would free' if self.dry_run else 'freed'} {self.freed_objects} objects, "
+                   f"{size(self.freed_bytes)}")
+        return out
+
+
+def _duration(seconds: float) -> str:
+    for unit, n in (("h", 3600), ("m", 60)):
+        if seconds >= n and seconds % n == 0:
+            return f"{int(seconds // n)}{unit}"
+    return f"{seconds:g}s"
+
+
+class _Tally:
+    """A StoreSweep being counted."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.chunks = self.deleted = self.deleted_bytes = self.young = self.young_bytes = 0
+        self.temporary = self.temporary_bytes = self.errors = 0
+
+    def snapshot(self) -> StoreSweep:
+        return StoreSweep(name=self.name, chunks=self.chunks, deleted=self.deleted,
+                          deleted_bytes=self.deleted_bytes, young=self.young, young_bytes=self.young_bytes,
+                          temporary=self.temporary, temporary_bytes=self.temporary_bytes, errors=self.errors)
+
+
+class GarbageCollector:
+    """One gc run over the pool's stores (see the module doc); `run()` returns its report.
+    `grace` is not checked against any floor here (tests use 0): `cpfs gc` enforces the config's."""
+
+    def __init__(self, pool: StorePool, *, grace: float, dry_run: bool = False) -> None:
+        self.pool = pool
+        self.grace = grace
+        self.dry_run = dry_run
+
+    async def run(self) -> GcReport:
+        """The three steps of the module doc, or a refusal after the second."""
+        cutoff = time.time() - self.grace               # before any listing: see the invariant
+        referenced, read, problems = await self._references()
+        report = dict(grace=self.grace, dry_run=self.dry_run, manifests=read, referenced=len(referenced))
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            log.error("gc refused, nothing deleted: %s", shown)
+            return GcReport(**report, refused=shown, stores=())
+        tallies = {name: _Tally(name) for name in self.pool.names}
+        async with trio.open_nursery() as n:
+            for name in self.pool.names:
+                n.start_soon(self._sweep, tallies[name], referenced, cutoff)
+        out = GcReport(**report, refused="", stores=tuple(t.snapshot() for t in tallies.values()))
+        log.info("gc%s: %d versions name %d chunks; %s %d objects, %d bytes", " (dry run)" if self.dry_run else "",
+                 read, len(referenced), "would free" if self.dry_run else "freed", out.freed_objects,
+                 out.freed_bytes)
+        return out
+
+    # -- what is referenced ------------------------------------------------------------------------
+    async def _list(self, prefixes: Iterable[str]) -> tuple[dict[str, list[str]], list[str]]:
+        """key -> the stores listing it, for every prefix on every store; and what could not be listed."""
+        where: dict[str, list[str]] = {}
+        prefixes = list(prefixes)
+
+        async def one(name: str) -> None:
+            for prefix in prefixes:
+                for key in await self.pool.list_keys(name, prefix):
+                    where.setdefault(key, []).append(name)
+
+        out = await fan_out(one, self.pool.names, catch=StoreError)
+        return where, [f"store {name!r}: cannot list the manifests: {e.detail}" for name, e in out.errors]
+
+    async def _references(self) -> tuple[set[str], int, list[str]]:
+        """The digests every kept version names, how many versions were read, and the problems that
+        forbid deleting anything."""
+        referenced: set[str] = set()
+        done: set[str] = set()
+        where, problems = await self._list([MANIFESTS])
+        for _ in range(_RELISTS):
+            if problems or not where:
+                break
+            vanished: set[str] = set()
+
+            async def read(key: str) -> None:
+                m = await self._read(key, where[key], problems)
+                done.add(key)
+                if m is not None:
+                    referenced.update(c.digest for c in m.chunks)
+                elif (folder := _FOLDER.fullmatch(key)) is not None:
+                    vanished.add(folder[1] + "/")
+
+            await in_parallel(read, sorted(where), _READS)
+            if not vanished or problems:
+                break
+            log.info("gc: %d versions were retired while gc read them: listing their folders again",
+                     len(vanished))
+            where, problems = await self._list(sorted(vanished))
+            where = {k: v for k, v in where.items() if k not in done}
+        else:
+            if where and not problems:
+                problems.append("versions kept vanishing while gc read them (commits are retiring them): "
+                                "try again")
+        return referenced, len(done), problems
+
+    async def _read(self, key: str, names: Sequence[str], problems: list[str]) -> Manifest | None:
+        """The version under `key` from the first store with a copy that parses; None if every store
+        that listed it says it is gone; a problem is noted if it is there but unreadable."""
+        failures = []
+        for name in self.pool.rank(names):
+            try:
+                data = await self.pool.get(name, key)
+                return await trio.to_thread.run_sync(Manifest.from_bytes, data, f"store {name!r} {key}",
+                                                     limiter=self.pool.cpu)
+            except NoSuchObject:
+                continue
+            except (StoreError, ManifestError) as e:
+                failures.append(str(e))
+        if failures:
+            problems.append(f"version {key} is unreadable on every store that has it ({'; '.join(failures)})")
+        return None
+
+    # -- the sweep ---------------------------------------------------------------------------------
+    async def _sweep(self, tally: _Tally, referenced: set[str], cutoff: float) -> None:
+        """Delete the store's unreferenced chunks older than `cutoff`, then its temporary files; at most
+        _DELETES deletions in flight, listing the next page meanwhile."""
+        name = tally.name
+        slots = trio.Semaphore(_DELETES)
+
+        async def delete(info: ObjectInfo, temporary: bool) -> None:
+            try:
+                gone = True if self.dry_run else await self.pool.delete_if_older(name, info.key, cutoff)
+            except StoreError as e:
+                log.warning("gc: could not delete %s on store %r: %s", info.key, name, e)
+                tally.errors += 1
+                return
+            finally:
+                slots.release()
+            if temporary:
+                if gone:
+                    tally.temporary += 1
+                    tally.temporary_bytes += info.size
+            elif gone:
+                tally.deleted += 1
+                tally.deleted_bytes += info.size
+                log.debug("gc: deleted %s on store %r (%d bytes)", info.key, name, info.size)
+            else:
+                tally.young += 1                # touched since it was listed: a commit reuses it
+                tally.young_bytes += info.size
+
+        # Chunks first, temporary files once those deletions are done: a folder store's deletion
+        # claims the file under a temporary name for a moment, which is not this sweep's to take.
+        for prefix, temporary in ((CHUNKS, False), ("", True)):
+            async with trio.open_nursery() as n:
+                try:
+                    async for page in self.pool.iter_info(name, prefix, temporary=temporary):
+                        for info in page:
+                            if not temporary:
+                                m = _CHUNK_KEY.fullmatch(info.key)
+                                if m is None:
+                                    continue        # not a chunk of ours: never touched
+                                tally.chunks += 1
+                                if m[2] in referenced:
+                                    continue
+                                if info.mtime >= cutoff:
+                                    tally.young += 1
+                                    tally.young_bytes += info.size
+                                    continue
+                            elif info.mtime >= cutoff:
+                                continue            # a put in progress, perhaps
+                            await slots.acquire()
+                            n.start_soon(delete, info, temporary)
+                except StoreError as e:
+                    log.warning("gc: listing %s on store %r failed, the rest stays for the next run: %s",
+                                "temporary files" if temporary else prefix, name, e)
+                    tally.errors += 1

@@ -1,0 +1,522 @@
+"""Scrub: read every copy of every chunk and manifest, report what is missing or corrupt, and repair.
+
+Reads verify only the copy they read, and read repair fixes only what readers meet; a copy nobody
+reads can rot unnoticed until the other one is gone too. `cpfs scrub` reads all of them:
+- manifests: every kept version of every path (every version key any store lists, every state), on
+  the stores that list it and on its placement (`place(path hash, stores, replicas)`, where commits
+  put it). A copy is good if it parses and matches its key. A version is healthy when every store of
+  its placement holds a good copy (readers list every store, but commits and retirement work on the
+  placement);
+- chunks: every chunk those manifests name, once however many versions share it, on the stores the
+  manifests list and on its current placement. A copy is good if it decodes and hashes to its name
+  (`chunk.decode`, in `pool.cpu` threads). A chunk is healthy when every manifest naming it can
+  reach `replicas` good copies: on the stores its entry lists (that still exist) or on the current
+  placement, which `StorePool.fetch_chunk` tries after the listed ones.
+Repair (`--repair`) rewrites every missing or corrupt copy on a listed store from a good copy, then,
+while a chunk is still short (a listed store was removed from the config or replaced, a manifest
+lists fewer stores than `replicas`), puts copies on its current placement; manifest copies go to
+their placement. Manifests are never rewritten to point at new stores: immutable versions stay
+immutable, and readers find the new copies through the placement.
+
+Bounded: one CapacityLimiter caps the chunks (or versions) being checked at once, each holding at most
+two copies in memory; every request goes through the pool (timeouts, retries).
+
+Caveats: a scrub that runs while versions are retired or a garbage collector deletes chunks sees keys
+vanish under it. A problem is counted only if a version naming it still exists when it is found (one
+extra request per problem); a repair can still restore a copy that was deleted a moment before: an
+unreferenced chunk (the next gc frees it) or a retired version (the next commit of that path retires it
+again). A manifest copy is re-copied only after the key was seen again on a store that holds it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import trio
+
+from . import chunk as chunkfmt
+from .catalog import PREFIX, Catalog, VersionRef, current_of
+from .errors import CorruptChunk, ManifestError, NoSuchObject, StoreError
+from .manifest import SUMMARY_MAX, Manifest, Summary, normalize_path, path_hash
+from .placement import place
+from .pool import StorePool
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MEMORY = 256 * 1024**2       # chunk bytes a scrub holds at most (two copies per chunk in flight)
+CONCURRENCY = 16             # chunks (or versions) checked at once at most
+PROBLEMS_MAX = 1000          # problems listed in a report (the counts stay exact)
+PROBLEMS_SHOWN = 20          # ... of which the human summary prints
+
+
+@dataclass(frozen=True)
+class ScrubStats:
+    """Counts so far (Scrubber.statistics()) or in the end (ScrubReport.stats)."""
+    phase: str = "idle"              # idle, listing, manifests, chunks, done
+    stores: int = 0                  # stores in the config
+    stores_unlisted: int = 0         # stores whose manifest listing failed: the scrub is incomplete
+    manifests: int = 0               # paths (a manifest per file, with its kept versions)
+    versions: int = 0                # kept versions: version keys, every state
+    manifest_copies: int = 0         # manifest copies read
+    manifest_missing: int = 0        # ... absent on a placement store
+    manifest_corrupt: int = 0        # ... that do not parse or do not match their key
+    manifests_under_replicated: int = 0  # versions with good copies on fewer than `replicas` placement stores
+    manifests_lost: int = 0          # versions with no good copy at all
+    chunks_total: int = 0            # distinct chunks the scrubbed versions name
+    chunks: int = 0                  # ... checked so far
+    replicas: int = 0                # chunk copies checked (read, or found missing on a listed store)
+    missing: int = 0                 # chunk copies absent on a store a manifest lists
+    corrupt: int = 0                 # chunk copies that do not decode to their hash
+    unreachable: int = 0             # copies a store failed to answer for (down, timing out)
+    under_replicated: int = 0        # chunks some manifest reaches fewer than `replicas` good copies of
+    lost: int = 0                    # chunks with no good copy on any store
+    vanished: int = 0                # versions or chunks deleted while the scrub ran (retired, gc)
+    repaired: int = 0                # copies written (chunks and manifests)
+    unrepaired: int = 0              # chunks and versions short of `replicas` good copies at the end
+    bytes_read: int = 0
+
+    @property
+    def found(self) -> int:
+        """Problems found so far: bad copies, and objects with no good copy."""
+        return (self.missing + self.corrupt + self.unreachable + self.lost + self.manifest_missing
+                + self.manifest_corrupt + self.manifests_lost)
+
+
+@dataclass(frozen=True)
+class Problem:
+    what: str          # "chunk" or "manifest"
+    kind: str          # "missing", "corrupt", "unreachable", "lost", "under-replicated", "repair failed"
+    key: str
+    store: str         # "" when about the object, not one copy
+    where: str         # the file and version that name it (the first of them, for a shared chunk)
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ScrubReport:
+    stats: ScrubStats
+    repair: bool
+    seconds: float
+    problems: tuple[Problem, ...]     # the first PROBLEMS_MAX
+    lost_files: tuple[str, ...]       # "PATH version V[ (current)]" of versions that cannot be read whole
+
+    @property
+    def ok(self) -> bool:
+        """Every scrubbed chunk and version has `replicas` good copies (after the repair, if asked),
+        and every store could be listed."""
+        return self.stats.unrepaired == 0 and self.stats.stores_unlisted == 0
+
+    def to_json(self) -> dict:
+        counts = {k: v for k, v in dataclasses.asdict(self.stats).items() if k not in ("phase", "chunks_total")}
+        return {**counts, "ok": self.ok, "repair": self.repair, "seconds": round(self.seconds, 3),
+                "lost_files": list(self.lost_files), "problems": [dataclasses.asdict(p) for p in self.problems]}
+
+
+@dataclass
+class _Version:
+    ref: VersionRef
+    holders: list[str]              # stores whose listing has the key
+    path: str = ""                  # once known (from a summary or the manifest)
+    current: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"{self.path or self.ref.key} version {self.ref.version}{' (current)' if self.current else ''}"
+
+
+@dataclass
+class _Chunk:
+    """What the scrubbed versions say of one chunk (one record per chunk, however many name it)."""
+    stores: set[tuple[str, ...]] = field(default_factory=set)   # the store lists of its entries
+    versions: list[_Version] = field(default_factory=list)      # the versions naming it
+
+    @property
+    def where(self) -> str:
+        more = len(self.versions) - 1
+        return self.versions[0].where + (f" and {more} more version(s)" if more else "")
+
+
+@dataclass
+class _Tally:
+    counts: dict[str, int] = field(default_factory=lambda: {
+        f.name: 0 for f in dataclasses.fields(ScrubStats) if f.name != "phase"})
+    phase: str = "idle"
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+
+class Scrubber:
+    """Checks (and with repair, restores) `replicas` good copies of everything the catalog's versions
+    name. One scrub per instance; `statistics()` may be read while `run` works (a progress bar)."""
+
+    def __init__(self, pool: StorePool, catalog: Catalog, *, concurrency: int | None = None) -> None:
+        """`catalog`: the versions to scrub; their keys and order are its (VersionRef, current_of)."""
+        self._pool = pool
+        self._catalog = catalog
+        cfg = pool.config
+        self._replicas = min(cfg.replicas, len(pool.names))
+        per_chunk = 2 * cfg.chunk_size
+        self._limiter = trio.CapacityLimiter(concurrency or max(2, min(CONCURRENCY, MEMORY // per_chunk)))
+        self._t = _Tally()
+        self._problems: list[Problem] = []
+        self._lost_files: set[str] = set()
+        self._chunks: dict[str, _Chunk] = {}
+        self._listed: set[str] = set()          # stores whose listing succeeded
+
+    def statistics(self) -> ScrubStats:
+        return ScrubStats(phase=self._t.phase, **self._t.counts)
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter:
+        """Bounds the chunks and versions checked at once (its statistics() shows how many)."""
+        return self._limiter
+
+    async def run(self, paths: Sequence[str] = (), repair: bool = False) -> ScrubReport:
+        """Scrub the versions of every path, or of the paths at or under `paths`; with `repair`,
+        restore what can be restored. Problems are in the report; StoreError only if no store lists."""
+        t0 = trio.current_time()
+        scope = [normalize_path(p) for p in paths if p.strip("/")]
+        if len(scope) < len(paths):
+            scope = []                                # the root: everything
+        self._t.add("stores", len(self._pool.names))
+        self._t.phase = "listing"
+        groups = await self._groups()
+        if scope:
+            groups = await self._in_scope(groups, scope)
+        self._t.add("manifests", len(groups))
+        self._t.add("versions", sum(len(g) for g in groups.values()))
+        self._t.phase = "manifests"
+        for versions in groups.values():
+            cur = current_of([v.ref for v in versions])
+            for v in versions:
+                v.current = v.ref == cur
+        await self._each([v for g in groups.values() for v in g], lambda v: self._check_version(v, repair))
+        self._t.phase = "chunks"
+        self._t.add("chunks_total", len(self._chunks))
+        await self._each(list(self._chunks.items()), lambda item: self._check_chunk(*item, repair))
+        self._t.phase = "done"
+        return ScrubReport(stats=self.statistics(), repair=repair, seconds=trio.current_time() - t0,
+                           problems=tuple(self._problems), lost_files=tuple(sorted(self._lost_files)))
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    async def _each(self, items: Iterable[T], check: Callable[[T], Awaitable[None]]) -> None:
+        """check(item) for every item, as many at once as the limiter lets: a task starts only once it
+        holds a token, so the tasks alive (and the copies in memory) stay bounded."""
+        async def one(item: T, token: object) -> None:
+            try:
+                await check(item)
+            finally:
+                self._limiter.release_on_behalf_of(token)
+
+        async with trio.open_nursery() as n:
+            for item in items:
+                token = object()
+                await self._limiter.acquire_on_behalf_of(token)
+                n.start_soon(one, item, token)
+
+    def _problem(self, what: str, kind: str, key: str, store: str, where: str, detail: str = "") -> None:
+        # INFO: the report lists every problem; the log is for a scrub run by something else.
+        log.info("scrub: %s %s %s%s (%s)%s", what, key, kind, f" on store {store!r}" if store else "", where, f": {detail}" if detail else "")
+        if len(self._problems) < PROBLEMS_MAX:
+            self._problems.append(Problem(what=what, kind=kind, key=key, store=store, where=where, detail=detail))
+
+    async def _get(self, name: str, key: str) -> bytes | str:
+        """The copy of `key` on store `name`, or why not: "missing" or "unreachable"."""
+        try:
+            data = await self._pool.get(name, key)
+        except NoSuchObject:
+            return "missing"
+        except StoreError as e:
+            log.warning("scrub: %s on store %r could not be read: %s", key, name, e)
+            return "unreachable"
+        self._t.add("bytes_read", len(data))
+        return data
+
+    async def _put(self, name: str, key: str, data: bytes, what: str, where: str) -> bool:
+        try:
+            await self._pool.put(name, key, data)
+        except StoreError as e:
+            self._problem(what, "repair failed", key, name, where, str(e))
+            return False
+        self._t.add("repaired")
+        log.info("scrub: rewrote %s %s on store %r (%s)", what, key, name, where)
+        return True
+
+    # -- manifests ---------------------------------------------------------------------------------
+    async def _groups(self) -> dict[str, list[_Version]]:
+        """Every version key on every store, by path hash."""
+        where: dict[str, list[str]] = {}
+
+        async def one(name: str) -> None:
+            try:
+                keys = await self._pool.list_keys(name, PREFIX)
+            except StoreError as e:
+                log.error("scrub: cannot list the manifests on store %r: %s", name, e)
+                self._t.add("stores_unlisted")
+                return
+            self._listed.add(name)
+            for key in keys:
+                where.setdefault(key, []).append(name)
+
+        async with trio.open_nursery() as n:
+            for name in self._pool.names:
+                n.start_soon(one, name)
+        if not self._listed:
+            raise StoreError(",".join(self._pool.names), "scrub: no store could list its manifests")
+        groups: dict[str, list[_Version]] = {}
+        for key, holders in sorted(where.items()):
+            ref = VersionRef.parse(key)
+            if ref is None:
+                log.warning("scrub: skipping %s (not a version key; format-1 keys migrate on cpfs ls)", key)
+                continue
+            order = [n for n in self._pool.names if n in holders]
+            groups.setdefault(ref.path_hash, []).append(_Version(ref, order))
+        return groups
+
+    async def _in_scope(self, groups: dict[str, list[_Version]], scope: list[str]) -> dict[str, list[_Version]]:
+        """The groups of the paths in `scope` or under them: a path's hash names its group; a path
+        under a folder is learned from a summary (a ranged read of one version)."""
+        exact = {path_hash(p): p for p in scope}
+        out: dict[str, list[_Version]] = {}
+
+        async def one(item: tuple[str, list[_Version]]) -> None:
+            h, versions = item
+            if h in exact:
+                path = exact[h]
+            else:
+                path = await self._path_of(versions)
+                if path is None or not any(path.startswith(p + "/") for p in scope):
+                    return
+            for v in versions:
+                v.path = path
+            out[h] = versions
+
+        await self._each(list(groups.items()), one)
+        return out
+
+    async def _path_of(self, versions: list[_Version]) -> str | None:
+        for v in sorted(versions, key=lambda v: v.ref.order, reverse=True):
+            for name in v.holders:
+                try:
+                    data = await self._pool.get_range(name, v.ref.key, 0, SUMMARY_MAX)
+                    return Summary.from_bytes(data, f"store {name!r} {v.ref.key}").path
+                except (StoreError, ManifestError) as e:
+                    log.warning("scrub: summary of %s on store %r unreadable: %s", v.ref.key, name, e)
+        log.warning("scrub: skipping %s: no readable summary, so its path is unknown", versions[0].ref.key)
+        return None
+
+    async def _parse(self, data: bytes, name: str, ref: VersionRef) -> Manifest:
+        m = await trio.to_thread.run_sync(Manifest.from_bytes, data, f"store {name!r} {ref.key}",
+                                          limiter=self._pool.cpu)
+        if (m.version, m.writer, m.state) != (ref.version, ref.writer, ref.state) or path_hash(m.path) != ref.path_hash:
+            raise ManifestError(f"store {name!r} {ref.key}: contents do not match the key")
+        return m
+
+    async def _check_version(self, v: _Version, repair: bool) -> None:
+        """Every copy of one version key on its holders and its placement; collects its chunks."""
+        key = v.ref.key
+        placement = place(v.ref.path_hash, self._pool.names, self._replicas)
+        state: dict[str, str] = {}
+        good: bytes | None = None
+        m: Manifest | None = None
+        for name in [n for n in self._pool.names if n in v.holders or n in placement]:
+            if name not in v.holders and name in self._listed:
+                state[name] = "missing"              # its listing says so: no request needed
+                continue
+            got = await self._get(name, key)
+            if isinstance(got, str):
+                state[name] = got
+                continue
+            self._t.add("manifest_copies")
+            if good is not None and got == good:
+                state[name] = "good"
+                continue
+            try:
+                parsed = await self._parse(got, name, v.ref)
+            except ManifestError as e:
+                state[name] = "corrupt"
+                self._t.add("manifest_corrupt")
+                self._problem("manifest", "corrupt", key, name, v.where, str(e))
+                continue
+            state[name] = "good"
+            if good is None:
+                good, m = got, parsed
+        if m is not None:
+            v.path = m.path
+        if good is None and "corrupt" not in state.values() and "unreachable" not in state.values() \
+                and all(state.get(n) == "missing" for n in v.holders):
+            self._t.add("vanished")                  # retired since the listing
+            return
+        for name in placement:
+            if state.get(name) == "missing":
+                self._t.add("manifest_missing")
+                self._problem("manifest", "missing", key, name, v.where)
+            elif state.get(name) == "unreachable":
+                self._t.add("unreachable")
+                self._problem("manifest", "unreachable", key, name, v.where)
+        if m is None:
+            self._t.add("manifests_lost")
+            self._t.add("unrepaired")
+            self._lost_files.add(v.where)
+            self._problem("manifest", "lost", key, "", v.where, "no good copy on any store")
+            return
+        if any(state.get(n) != "good" for n in placement):
+            self._t.add("manifests_under_replicated")
+            if repair:
+                await self._repair_version(v, good, state, placement)
+            if any(state.get(n) != "good" for n in placement):
+                self._t.add("unrepaired")
+        elif repair and "corrupt" in state.values():
+            await self._repair_version(v, good, state, placement)
+        for c in m.chunks:
+            chunk = self._chunks.setdefault(c.digest, _Chunk())
+            chunk.stores.add(c.stores)
+            if not chunk.versions or chunk.versions[-1] is not v:
+                chunk.versions.append(v)
+
+    async def _repair_version(self, v: _Version, good: bytes, state: dict[str, str], placement: list[str]) -> None:
+        # A version deleted since it was read (retired, or a commit that failed below quorum taking
+        # its copies back) must not come back: look again right before copying it.
+        if not await self._exists(v.ref.key, [n for n, s in state.items() if s == "good"]):
+            log.warning("scrub: %s vanished before its repair: left alone", v.ref.key)
+            return
+        for name, s in state.items():
+            if s == "corrupt" or (s == "missing" and name in placement):
+                if await self._put(name, v.ref.key, good, "manifest", v.where):
+                    state[name] = "good"
+
+    async def _exists(self, key: str, names: Sequence[str]) -> bool:
+        for name in names:
+            try:
+                if await self._pool.exists(name, key):
+                    return True
+            except StoreError as e:
+                log.warning("scrub: cannot tell whether %s is on store %r: %s", key, name, e)
+        return False
+
+    # -- chunks ------------------------------------------------------------------------------------
+    async def _check_chunk(self, digest: str, chunk: _Chunk, repair: bool) -> None:
+        """Every copy of one chunk on the stores its manifests list and on its current placement."""
+        pool = self._pool
+        key = chunkfmt.chunk_key(digest)
+        listed = [n for n in pool.names if any(n in stores for stores in chunk.stores)]
+        placement = place(digest, pool.names, self._replicas)
+        state: dict[str, str] = {}
+        good: bytes | None = None
+        for name in [n for n in pool.names if n in listed or n in placement]:
+            got = await self._get(name, key)
+            if isinstance(got, str):
+                # A placement store that no manifest lists may hold no copy: nothing is missing there.
+                state[name] = got if name in listed or got == "unreachable" else "absent"
+                if name in listed:
+                    self._t.add("replicas")
+                continue
+            self._t.add("replicas")
+            if good is not None and got == good:
+                state[name] = "good"
+                continue
+            try:
+                await trio.to_thread.run_sync(chunkfmt.decode, got, digest, limiter=pool.cpu)
+            except CorruptChunk as e:
+                state[name] = f"corrupt: {e}"
+                continue
+            state[name] = "good"
+            if good is None:
+                good = got
+        self._t.add("chunks")
+        bad = {n: s for n, s in state.items() if s not in ("good", "absent")}
+        if not bad and self._short(chunk, state, placement) == 0:
+            return
+        if not await self._referenced(chunk):
+            self._t.add("vanished")                  # every version naming it was retired meanwhile
+            return
+        where = chunk.where
+        for name, s in bad.items():
+            kind, _, detail = s.partition(": ")
+            self._t.add(kind)
+            self._problem("chunk", kind, key, name, where, detail)
+        if good is None:
+            self._t.add("lost")
+            self._t.add("unrepaired")
+            self._lost_files.update(v.where for v in chunk.versions)
+            self._problem("chunk", "lost", key, "", where, f"no good copy (stores {', '.join(state) or 'none'})")
+            return
+        if self._short(chunk, state, placement) > 0:
+            self._t.add("under_replicated")
+        if repair:
+            await self._repair_chunk(key, good, chunk, state, placement, where)
+        if self._short(chunk, state, placement) > 0:
+            self._t.add("unrepaired")
+            if repair or not bad:       # else the missing or corrupt copies listed say why
+                gone = sorted({n for stores in chunk.stores for n in stores} - set(pool.names))
+                self._problem("chunk", "under-replicated", key, "", where, "good copies on "
+                              + (", ".join(n for n, s in state.items() if s == "good") or "no store")
+                              + (f"; listed on {', '.join(gone)}, not in the config" if gone else ""))
+
+    def _short(self, chunk: _Chunk, state: dict[str, str], placement: list[str]) -> int:
+        """How many good copies the worst-off manifest naming the chunk lacks: each reaches the stores
+        its entry lists and the current placement (StorePool.fetch_chunk)."""
+        good = {n for n, s in state.items() if s == "good"}
+        return max(self._replicas - len(good & (set(stores) | set(placement))) for stores in chunk.stores)
+
+    async def _repair_chunk(self, key: str, good: bytes, chunk: _Chunk, state: dict[str, str],
+                            placement: list[str], where: str) -> None:
+        for name in [n for n, s in state.items() if s == "missing" or s.startswith("corrupt")]:
+            if await self._put(name, key, good, "chunk", where):
+                state[name] = "good"
+        for name in placement:
+            if self._short(chunk, state, placement) == 0:
+                return
+            if state.get(name) != "good" and await self._put(name, key, good, "chunk", where):
+                state[name] = "good"
+
+    async def _referenced(self, chunk: _Chunk) -> bool:
+        """Whether a version that names the chunk still exists (a gc may delete the chunks of versions
+        retired while the scrub ran)."""
+        for v in chunk.versions:
+            if await self._exists(v.ref.key, v.holders):
+                return True
+        return False
+
+
+def render(report: ScrubReport) -> str:
+    """The human summary `cpfs scrub` prints."""
+    s = report.stats
+    mib = s.bytes_read / 1024**2
+    lines = [f"scrubbed {s.manifests} file(s), {s.versions} version(s) ({s.manifest_copies} manifest copies), "
+             f"{s.chunks} chunk(s) ({s.replicas} copies) on {s.stores} store(s): {mib:.1f} MiB read in "
+             f"{report.seconds:.1f}s ({mib / max(report.seconds, 1e-9):.1f} MiB/s)"]
+    if s.stores_unlisted:
+        lines.append(f"  {s.stores_unlisted} store(s) could not be listed: the scrub is incomplete")
+    figures = [("missing chunk copies", s.missing), ("corrupt chunk copies", s.corrupt),
+               ("under-replicated chunks", s.under_replicated), ("lost chunks", s.lost),
+               ("missing manifest copies", s.manifest_missing), ("corrupt manifest copies", s.manifest_corrupt),
+               ("under-replicated versions", s.manifests_under_replicated), ("lost versions", s.manifests_lost),
+               ("copies a store did not answer for", s.unreachable), ("deleted while scrubbing", s.vanished)]
+    found = [f"{n} {what}" for what, n in figures if n]
+    if found:
+        lines.append("found: " + ", ".join(found))
+    for p in report.problems[:PROBLEMS_SHOWN]:
+        on = f" on {p.store}" if p.store else ""
+        name = f" {p.key.rsplit('/', 1)[-1][:16]}" if p.what == "chunk" else ""
+        lines.append(f"  {p.kind:<16} {p.what}{name}{on}: {p.where}"
+                     f"{': ' + p.detail if p.detail else ''}")
+    if len(report.problems) > PROBLEMS_SHOWN:
+        lines.append(f"  ... and {len(report.problems) - PROBLEMS_SHOWN} more (--json lists up to {PROBLEMS_MAX})")
+    if report.repair:
+        lines.append(f"repaired {s.repaired} cop{'y' if s.repaired == 1 else 'ies'}")
+    if report.lost_files:
+        lines.append("unreadable versions (no good copy of a chunk or of the manifest):")
+        lines += [f"  {f}" for f in report.lost_files]
+    if report.ok:
+        lines.append("ok: every chunk and version has its replicas")
+    else:
+        lines.append(f"NOT OK: {s.unrepaired} chunk(s) or version(s) short of their replicas"
+                     + ("" if report.repair or s.lost + s.manifests_lost == s.unrepaired
+                        else "; `cpfs scrub --repair` restores what has a good copy"))
+    return "\n".join(lines)

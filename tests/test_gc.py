@@ -1,0 +1,573 @@
+"""Garbage collection (cpfs/gc.py): what it frees, what it keeps, and commits of other mounts racing it.
+
+Stores are real folder stores; each "mount" or "host" is a StorePool of its own over the same folders.
+Ages are file mtimes set with os.utime (never sleeps); interleavings are driven by store wrappers that
+pause a chosen request until the test releases it (never by patching). The S3 side of the age
+primitives (stat, list_info, touch, delete_if_older) is in the store contract suite (test_store.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import trio
+
+from cpfs import chunk as chunkfmt
+from cpfs.catalog import Catalog
+from cpfs.config import load_config, parse_config
+from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk
+from cpfs.gc import GarbageCollector, GcReport
+from cpfs.importer import Importer
+from cpfs.manifest import Manifest, path_hash
+from cpfs.pool import StorePool
+from cpfs.store import FaultyStore, Store, StoreWrapper, ThrottledStore, open_store
+from cpfs.store.directory import TMP_SUFFIX
+from tests.conftest import cpfs
+
+T = TypeVar("T")
+AGE = 7200.0                    # seconds: "old" chunks are aged this much, far beyond any grace here
+GRACE = 60.0                    # the gc's grace, as a real run would use (the floor)
+SIZE = 200_000                  # 4 chunks of 64 KiB (the last one short)
+
+
+def _config(tmp_path: Path, *, keep: int = 2, gc_grace: str = "60s", name: str = "cpfs.toml") -> Path:
+    """A config over three folder stores under tmp_path/cfg/stores (every config of a test shares them)."""
+    folder = tmp_path / "cfg"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text(f'replicas = 2\nchunk_size = "64KiB"\nkeep_versions = {keep}\ngc_grace = "{gc_grace}"\n'
+                    '[cache]\nmemory = "64MiB"\n'
+                    + "".join(f'[[store]]\nname = "s{i}"\nurl = "stores/s{i}"\n' for i in range(3)))
+    return path
+
+
+def _pool(cfg: Path, wrap: Callable[[Store], Store] | None = None) -> StorePool:
+    """A pool of its own over the config's folders: another mount, or the host that runs gc."""
+    config = load_config(cfg)
+    stores = [open_store(s) for s in config.stores]
+    return StorePool(config, stores=[wrap(s) for s in stores] if wrap else stores)
+
+
+def _stores_root(tmp_path: Path) -> Path:
+    return tmp_path / "cfg" / "stores"
+
+
+def _chunk_files(tmp_path: Path) -> dict[Path, int]:
+    """Every chunk copy on every store -> its size."""
+    return {p: p.stat().st_size for p in _stores_root(tmp_path).glob("s*/chunks/*/*")
+            if not p.name.endswith(TMP_SUFFIX)}
+
+
+def _age_chunks(tmp_path: Path, age: float = AGE) -> None:
+    old = time.time() - age
+    for p in _chunk_files(tmp_path):
+        os.utime(p, (old, old))
+
+
+def _missing_copies(tmp_path: Path, m: Manifest) -> list[tuple[str, str]]:
+    """(store, digest) of every copy the manifest names that is not intact on its store."""
+    out = []
+    for c in m.chunks:
+        for name in c.stores:
+            p = _stores_root(tmp_path) / name / chunkfmt.chunk_key(c.digest)
+            try:
+                chunkfmt.decode(p.read_bytes(), c.digest)
+            except (OSError, CorruptChunk):
+                out.append((name, c.digest))
+    return out
+
+
+def _digests(manifests: list[Manifest]) -> set[str]:
+    return {c.digest for m in manifests for c in m.chunks}
+
+
+class Writer:
+    """A mount that commits files: its own pool, catalog (writer id) and importer."""
+
+    def __init__(self, tmp_path: Path, cfg: Path, writer: str, wrap: Callable[[Store], Store] | None = None):
+        self.pool = _pool(cfg, wrap)
+        self.catalog = Catalog(self.pool, writer=writer)
+        self.importer = Importer(self.pool, self.catalog)      # a new one per put, as `cpfs put` has
+        self._src = tmp_path / "src"
+        self._src.mkdir(exist_ok=True)
+
+    async def put(self, path: str, data: bytes) -> Manifest:
+        src = self._src / uuid.uuid4().hex
+        src.write_bytes(data)
+        self.importer = Importer(self.pool, self.catalog)
+        return await self.importer.put_file(src, path)
+
+    async def read(self, path: str, version: int | None = None) -> bytes:
+        m = await (self.catalog.get(path) if version is None else self.catalog.get_version(path, version))
+        return b"".join([await self.pool.fetch_chunk(c, f"{path} chunk {i}") for i, c in enumerate(m.chunks)])
+
+
+async def _gc(cfg: Path, grace: float = GRACE, dry_run: bool = False,
+              wrap: Callable[[Store], Store] | None = None) -> GcReport:
+    return await GarbageCollector(_pool(cfg, wrap), grace=grace, dry_run=dry_run).run()
+
+
+async def _run_cli(*args: str, config: Path):
+    return await trio.to_thread.run_sync(lambda: cpfs(*args, config=config, check=False))
+
+
+class Pause(StoreWrapper):
+    """Holds every call of `method` (on keys starting with `prefix`) until `release` is set;
+    `reached` is set when the first one arrives."""
+
+    def __init__(self, inner: Store, method: str, prefix: str, reached: trio.Event, release: trio.Event) -> None:
+        super().__init__(inner)
+        self._method, self._prefix = method, prefix
+        self.reached, self.release = reached, release
+
+    async def _hold(self, method: str, key: str) -> None:
+        if method == self._method and key.startswith(self._prefix):
+            self.reached.set()
+            await self.release.wait()
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        await self._hold("put", key)
+        await self.inner.put(key, data)
+
+    async def get(self, key: str) -> bytes:
+        await self._hold("get", key)
+        return await self.inner.get(key)
+
+    async def touch(self, key: str) -> None:
+        await self._hold("touch", key)
+        await self.inner.touch(key)
+
+    async def delete_if_older(self, key: str, before: float) -> bool:
+        await self._hold("delete_if_older", key)
+        return await self.inner.delete_if_older(key, before)
+
+
+class Checked(StoreWrapper):
+    """Sets `event[0]` once a stat of a chunk (dedup's first look at a copy) has answered."""
+
+    def __init__(self, inner: Store, event: list[trio.Event]) -> None:
+        super().__init__(inner)
+        self._event = event
+
+    async def stat(self, key: str):
+        try:
+            return await self.inner.stat(key)
+        finally:
+            if key.startswith("chunks/"):
+                self._event[0].set()
+
+
+def _pausing(method: str, prefix: str) -> tuple[Callable[[Store], Store], trio.Event, trio.Event]:
+    reached, release = trio.Event(), trio.Event()
+    return (lambda s: Pause(s, method, prefix, reached, release)), reached, release
+
+
+async def _start_until_paused(nursery: trio.Nursery, fn: Callable[[], Awaitable[T]],
+                              reached: trio.Event) -> list[T]:
+    """Start fn() in `nursery` and return once it is held by a Pause; its result lands in the list
+    returned. Fails (instead of waiting forever) if fn() ends without ever reaching the pause."""
+    out: list[T] = []
+    finished = trio.Event()
+
+    async def run() -> None:
+        try:
+            out.append(await fn())
+        finally:
+            finished.set()
+
+    nursery.start_soon(run)
+    async with trio.open_nursery() as watch:
+        async def first(event: trio.Event) -> None:
+            await event.wait()
+            watch.cancel_scope.cancel()
+        watch.start_soon(first, reached)
+        watch.start_soon(first, finished)
+    assert reached.is_set(), "it ended without reaching the pause"
+    return out
+
+
+# ---- what gc frees and what it keeps -----------------------------------------------------------------
+
+async def test_gc_frees_retired_versions_and_orphans_and_keeps_every_kept_version(tmp_path: Path) -> None:
+    """Four versions of a file with keep_versions = 2, a removed file, an upload no commit names; all
+    of it old. `cpfs gc --json` deletes exactly the copies of the chunks no kept version names (a chunk
+    shared by every version stays), reports them per store, and every kept version, also of the
+    removed file, still reads byte-exact with `cpfs cat --version`."""
+    cfg = _config(tmp_path, keep=2)
+    w = Writer(tmp_path, cfg, "a1")
+    shared = os.urandom(65536)                               # one chunk every version has
+    contents = [shared + os.urandom(SIZE - 65536) for _ in range(4)]
+    versions = [await w.put("/run/a.bin", data) for data in contents]
+    removed = os.urandom(SIZE)
+    gone = await w.put("/run/b.bin", removed)
+    await w.catalog.remove("/run/b.bin")
+    orphan = chunkfmt.encode(os.urandom(50_000))             # uploaded, never committed
+    await w.pool.store_chunk(orphan, w.pool.names[:2], 2)
+    _age_chunks(tmp_path)
+
+    kept = versions[2:] + [gone]                             # b.bin's history stays: `cpfs restore` may want it
+    garbage = (_digests(versions[:2]) - _digests(kept)) | {orphan.digest}
+    before = _chunk_files(tmp_path)
+    doomed = {p: n for p, n in before.items() if p.name in garbage}
+    assert len(doomed) == 2 * len(garbage) == 2 * 7         # 3 own chunks of each retired version, the orphan
+
+    r = await _run_cli("gc", "--json", config=cfg)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["refused"], report["dry_run"], report["grace"]) == (None, False, 60.0)
+    assert report["manifests"] == 2 + 2                      # a.bin's two kept, b.bin's version and tombstone
+    assert report["referenced_chunks"] == len(_digests(kept))
+    assert (report["freed_objects"], report["freed_bytes"]) == (len(doomed), sum(doomed.values()))
+    per_store = {s["name"]: s for s in report["stores"]}
+    for name in w.pool.names:
+        mine = [n for p, n in doomed.items() if p.parts[-4] == name]
+        assert (per_store[name]["deleted"], per_store[name]["deleted_bytes"]) == (len(mine), sum(mine))
+        assert per_store[name]["young"] == per_store[name]["errors"] == 0
+    assert _chunk_files(tmp_path) == {p: n for p, n in before.items() if p not in doomed}
+
+    for m, data in [(versions[2], contents[2]), (versions[3], contents[3]), (gone, removed)]:
+        out = await _run_cli("cat", m.path, "--version", str(m.version), config=cfg)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == data
+    again = await _gc(cfg)
+    assert again.freed_objects == 0 and sum(s.chunks for s in again.stores) == len(before) - len(doomed)
+
+
+async def test_a_removed_file_is_freed_once_its_versions_are_retired(tmp_path: Path) -> None:
+    """`cpfs rm` keeps the file's history (restore brings it back), so its chunks stay; once newer
+    commits of the path retire those versions, gc frees them."""
+    cfg = _config(tmp_path, keep=1)
+    w = Writer(tmp_path, cfg, "a1")
+    content = os.urandom(SIZE)
+    old = await w.put("/b.bin", content)
+    r = await _run_cli("rm", "/b.bin", config=cfg)
+    assert r.returncode == 0, r.stderr
+    _age_chunks(tmp_path)
+    assert (await _gc(cfg)).freed_objects == 0
+    assert await w.read("/b.bin", old.version) == content
+    new = await w.put("/b.bin", b"small and new")            # retires the old version (keep_versions = 1)
+    _age_chunks(tmp_path)
+    report = await _gc(cfg)
+    assert report.freed_objects == 2 * len(old.chunks)
+    assert {p.name for p in _chunk_files(tmp_path)} == _digests([new])
+    assert await w.read("/b.bin") == b"small and new"
+
+
+async def test_dry_run_deletes_nothing_and_reports_what_it_would(tmp_path: Path) -> None:
+    """--dry-run reports the same figures as the real run would, and no file changes."""
+    cfg = _config(tmp_path, keep=1)
+    w = Writer(tmp_path, cfg, "a1")
+    await w.put("/a.bin", os.urandom(SIZE))
+    await w.put("/a.bin", os.urandom(SIZE))
+    _age_chunks(tmp_path)
+    before = _chunk_files(tmp_path)
+    r = await _run_cli("gc", "--dry-run", config=cfg)
+    assert r.returncode == 0, r.stderr
+    assert _chunk_files(tmp_path) == before
+    text = r.stdout.decode()
+    assert "dry run, nothing deleted" in text and "would free 8 objects" in text, text
+    dry = await _gc(cfg, dry_run=True)
+    assert _chunk_files(tmp_path) == before
+    real = await _gc(cfg)
+    assert (dry.freed_objects, dry.freed_bytes) == (real.freed_objects, real.freed_bytes)
+    assert real.freed_objects == 8 and len(_chunk_files(tmp_path)) == len(before) - 8
+
+
+async def test_young_unreferenced_chunks_survive_the_grace(tmp_path: Path) -> None:
+    """Unreferenced chunks younger than the grace stay (reported as kept); once old enough they go."""
+    cfg = _config(tmp_path, keep=1)
+    w = Writer(tmp_path, cfg, "a1")
+    first = await w.put("/a.bin", os.urandom(SIZE))
+    await w.put("/a.bin", os.urandom(SIZE))                  # first's chunks: unreferenced, but new
+    report = await _gc(cfg)
+    assert report.freed_objects == 0
+    assert sum(s.young for s in report.stores) == 2 * len(first.chunks)
+    assert sum(s.young_bytes for s in report.stores) == 2 * first.stored_bytes
+    _age_chunks(tmp_path, age=GRACE - 30)                    # still inside the grace
+    assert (await _gc(cfg)).freed_objects == 0
+    _age_chunks(tmp_path, age=GRACE + 30)
+    assert (await _gc(cfg)).freed_objects == 2 * len(first.chunks)
+    assert len(await w.read("/a.bin")) == SIZE
+
+
+async def test_old_temporary_files_go_young_ones_stay(tmp_path: Path) -> None:
+    """Temporary files of interrupted puts (chunks and manifests alike) older than the grace are
+    deleted and counted; young ones (a put in progress, perhaps) stay; committed objects are untouched."""
+    cfg = _config(tmp_path)
+    w = Writer(tmp_path, cfg, "a1")
+    content = os.urandom(SIZE)
+    await w.put("/a.bin", content)
+    s0 = _stores_root(tmp_path) / "s0"
+    folders = [s0 / "chunks" / "ab", s0 / "manifests" / path_hash("/a.bin")]
+    old = time.time() - AGE
+    made = {}
+    for i, folder in enumerate(folders):
+        folder.mkdir(parents=True, exist_ok=True)
+        for age in ("old", "young"):
+            p = folder / f"{i:02x}{age}.{uuid.uuid4().hex}{TMP_SUFFIX}"
+            p.write_bytes(b"x" * (100 + i))
+            if age == "old":
+                os.utime(p, (old, old))
+            made[p] = age
+    _age_chunks(tmp_path)                                    # old, but referenced: never touched
+    chunks = _chunk_files(tmp_path)
+    report = await _gc(cfg)
+    s = {x.name: x for x in report.stores}
+    assert (s["s0"].temporary, s["s0"].temporary_bytes) == (2, 100 + 101)
+    assert s["s1"].temporary == s["s2"].temporary == 0
+    assert {p for p in made if p.exists()} == {p for p, age in made.items() if age == "young"}
+    assert _chunk_files(tmp_path) == chunks
+    assert await w.read("/a.bin") == content
+
+
+async def test_dedup_touches_an_old_copy_it_reuses_and_only_an_old_one(tmp_path: Path) -> None:
+    """Storing a chunk whose copies are older than gc_grace/2 renews their mtime (without rewriting
+    them); copies younger than that are left as they are."""
+    cfg = _config(tmp_path, gc_grace="1h")
+    pool = _pool(cfg)
+    enc = chunkfmt.encode(os.urandom(100_000))
+    await pool.store_chunk(enc, ["s0", "s1"], 2)
+    copies = [p for p in _chunk_files(tmp_path) if p.name == enc.digest]
+    _age_chunks(tmp_path, age=1000)                          # < 30 min: no touch
+    assert await pool.store_chunk(enc, ["s0", "s1"], 2) == (["s0", "s1"], False)
+    assert pool.replica_statistics().touched == 0
+    assert all(p.stat().st_mtime < time.time() - 900 for p in copies)
+    _age_chunks(tmp_path, age=2000)                          # > 30 min: touched
+    written = [s.bytes_written for s in pool.statistics()]
+    t0 = time.time()
+    assert await pool.store_chunk(enc, ["s0", "s1"], 2) == (["s0", "s1"], False)
+    assert pool.replica_statistics().touched == 2
+    assert all(p.stat().st_mtime >= t0 - 1 for p in copies)
+    assert [s.bytes_written for s in pool.statistics()] == written
+
+
+# ---- commits racing gc -------------------------------------------------------------------------------
+
+async def _retired(tmp_path: Path, cfg: Path) -> tuple[Writer, bytes, Manifest]:
+    """A file whose first content was retired (keep_versions = 1) and whose chunks are all old:
+    re-saving that content dedups against old, unreferenced copies."""
+    w = Writer(tmp_path, cfg, "a1")
+    content = os.urandom(SIZE)
+    first = await w.put("/ckpt.bin", content)
+    await w.put("/ckpt.bin", os.urandom(SIZE))
+    _age_chunks(tmp_path)
+    return w, content, first
+
+
+@pytest.mark.parametrize("writer_gc_grace, survives", [("60s", True), ("10h", False)])
+async def test_gc_between_a_commits_chunk_check_and_its_manifest(tmp_path: Path, writer_gc_grace: str,
+                                                                  survives: bool) -> None:
+    """A mount re-saves content identical to a retired version (its chunks old and unreferenced); a gc
+    runs after the mount checked (and touched) the chunks and before its manifest is written. The
+    committed file reads back byte-exact. Control: a mount whose gc_grace is far longer than the gc's
+    grace does not touch 2-hour-old copies, and the same gc takes them: why `cpfs gc` refuses a
+    --grace below gc_grace."""
+    cfg = _config(tmp_path, keep=1)
+    _, content, first = await _retired(tmp_path, cfg)
+    writer_cfg = _config(tmp_path, keep=1, gc_grace=writer_gc_grace, name="writer.toml")
+    wrap, reached, release = _pausing("put", "manifests/")
+    w = Writer(tmp_path, writer_cfg, "b2", wrap)
+    async with trio.open_nursery() as n:
+        done = await _start_until_paused(n, lambda: w.put("/ckpt.bin", content), reached)
+        report = await _gc(cfg)                              # every chunk checked, the manifest not written
+        release.set()
+    assert report.refused == ""
+    taken = sum(s.deleted for s in report.stores)
+    if survives:
+        assert w.pool.replica_statistics().touched == 2 * len(first.chunks)
+        assert taken == 0 and sum(s.young for s in report.stores) == 2 * len(first.chunks)
+        assert await w.read("/ckpt.bin") == content
+        assert await Writer(tmp_path, cfg, "c3").read("/ckpt.bin", done[0].version) == content
+    else:
+        assert w.pool.replica_statistics().touched == 0 and taken == 2 * len(first.chunks)
+        with pytest.raises(ChunkUnavailable):
+            await w.read("/ckpt.bin")
+
+
+async def test_gc_paused_between_its_age_check_and_the_deletion(tmp_path: Path) -> None:
+    """gc has listed a chunk as old and unreferenced and is about to delete it; meanwhile a mount
+    reuses it (touch) and commits. The deletion judges the age again at the moment of deleting (the
+    folder store claims the file first): the chunk stays and the file reads back byte-exact."""
+    cfg = _config(tmp_path, keep=1)
+    _, content, first = await _retired(tmp_path, cfg)
+    wrap, reached, release = _pausing("delete_if_older", "chunks/")
+    async with trio.open_nursery() as n:
+        reports = await _start_until_paused(n, lambda: _gc(cfg, wrap=wrap), reached)
+        w = Writer(tmp_path, cfg, "b2")
+        m = await w.put("/ckpt.bin", content)                # checks, touches, commits: all while gc waits
+        release.set()
+    assert {c.digest for c in m.chunks} == _digests([first])
+    assert sum(s.deleted for s in reports[0].stores) == 0
+    assert sum(s.young for s in reports[0].stores) == 2 * len(first.chunks)
+    assert await w.read("/ckpt.bin") == content
+    assert await Writer(tmp_path, cfg, "c3").read("/ckpt.bin") == content
+
+
+async def test_a_commit_paused_between_its_check_and_its_touch_writes_the_chunk_again(tmp_path: Path) -> None:
+    """A mount found an old copy good, and before it touches it a whole gc runs and deletes it. The
+    touch finds the copy gone, so the mount writes it again: the commit reads back byte-exact."""
+    cfg = _config(tmp_path, keep=1)
+    _, content, first = await _retired(tmp_path, cfg)
+    wrap, reached, release = _pausing("touch", "chunks/")
+    w = Writer(tmp_path, cfg, "b2", wrap)
+    async with trio.open_nursery() as n:
+        done = await _start_until_paused(n, lambda: w.put("/ckpt.bin", content), reached)
+        report = await _gc(cfg)
+        release.set()
+    assert sum(s.deleted for s in report.stores) == 2 * len(first.chunks)
+    assert w.importer.stats.new_raw_bytes == SIZE            # every chunk written again
+    assert await Writer(tmp_path, cfg, "c3").read("/ckpt.bin", done[0].version) == content
+
+
+async def test_a_version_retired_while_gc_reads_it_is_followed_to_its_successor(tmp_path: Path) -> None:
+    """`cpfs restore` commits an old version's chunks as they are (no check, no touch), and retires that
+    version. gc listed it and reads it only after it is gone: gc lists the path's folder again, finds
+    the restored version and keeps its chunks."""
+    cfg = _config(tmp_path, keep=2)
+    w = Writer(tmp_path, cfg, "a1")
+    content = os.urandom(SIZE)
+    v1 = await w.put("/ckpt.bin", content)
+    v2 = await w.put("/ckpt.bin", os.urandom(SIZE))
+    _age_chunks(tmp_path)
+    h = path_hash("/ckpt.bin")
+    wrap, reached, release = _pausing("get", f"manifests/{h}/{v1.version:020d}.")
+    async with trio.open_nursery() as n:
+        reports = await _start_until_paused(n, lambda: _gc(cfg, wrap=wrap), reached)   # gc listed v1, reads it
+        restored = await w.catalog.restore("/ckpt.bin", v1.version)   # v3: v1's chunks; v1 retired
+        release.set()
+    left = [p.name for p in _stores_root(tmp_path).glob(f"s*/manifests/{h}/*")]
+    assert not any(name.startswith(f"{v1.version:020d}.") for name in left)     # v1 was retired
+    assert reports[0].refused == "" and sum(s.deleted for s in reports[0].stores) == 0
+    assert reports[0].referenced == len(_digests([v1, v2]))  # v2, and v3 (v1's chunks) found on the second look
+    assert await w.read("/ckpt.bin", restored.version) == content
+
+
+async def test_gc_next_to_concurrent_writers_loses_nothing(tmp_path: Path) -> None:
+    """Rounds of: fresh contents committed and retired (their chunks then made old: unreferenced garbage
+    as far as gc can tell), then two mounts re-save them to two paths while gc runs again and again.
+    Every commit finds each copy it names intact; after every round each path's current version reads
+    back byte-exact, and after a last gc too."""
+    cfg = _config(tmp_path, keep=1)
+    seed = Writer(tmp_path, cfg, "a1")
+    paths = ["/p0.bin", "/p1.bin"]
+    commits: dict[str, list[tuple[int, str, bytes]]] = {p: [] for p in paths}
+    # Slow links for the writers, and gc starts once a writer has checked a chunk: gc's deletions land
+    # between commits' chunk checks and their manifests.
+    checked = [trio.Event()]
+    writers = [Writer(tmp_path, cfg, w, lambda s: Checked(ThrottledStore(s, latency=0.02), checked))
+               for w in ("b2", "c3")]
+    reports: list[GcReport] = []
+    reader = Writer(tmp_path, cfg, "d4")
+
+    async def check() -> None:
+        for path in paths:
+            version, writer, data = max(commits[path], key=lambda c: c[:2])   # the highest (version, writer)
+            m = await reader.catalog.get(path)
+            assert (m.version, m.writer) == (version, writer)
+            assert await reader.read(path) == data
+            assert _missing_copies(tmp_path, m) == []         # not one copy the commit counted on is gone
+
+    for gc_latency in (0.0, 0.005, 0.01, 0.02):             # gc's deletions land at various points
+        contents = [os.urandom(SIZE) for _ in range(4)]
+        garbage = [await seed.put("/seed.bin", data) for data in contents]
+        await seed.put("/seed.bin", b"seed")                 # every content above retired
+        old = time.time() - AGE
+        for p in _chunk_files(tmp_path):
+            if p.name in _digests(garbage):
+                os.utime(p, (old, old))
+
+        async def writer(i: int, w: Writer) -> None:
+            for step in range(2):
+                path, data = paths[(i + step) % 2], contents[i * 2 + step]
+                m = await w.put(path, data)
+                commits[path].append((m.version, m.writer, data))
+                assert _missing_copies(tmp_path, m) == []     # every copy it counted on is there
+
+        async def collector(done: trio.Event) -> None:
+            await checked[0].wait()
+            while not done.is_set():
+                reports.append(await _gc(cfg, wrap=lambda s: ThrottledStore(s, latency=gc_latency)))
+
+        done, checked[0] = trio.Event(), trio.Event()
+        async with trio.open_nursery() as n:
+            n.start_soon(collector, done)
+            async with trio.open_nursery() as wn:
+                for i, w in enumerate(writers):
+                    wn.start_soon(writer, i, w)
+            done.set()
+        await check()
+    assert all(r.refused == "" for r in reports) and sum(r.freed_objects for r in reports) > 0
+    _age_chunks(tmp_path)
+    assert (await _gc(cfg)).refused == ""
+    await check()
+
+
+# ---- refusals, configuration and the command ---------------------------------------------------------
+
+async def test_an_unreadable_version_makes_gc_refuse_to_delete_anything(tmp_path: Path) -> None:
+    """A version whose every copy is corrupt could name any chunk: gc deletes nothing, says which key,
+    and `cpfs gc` exits 1. A store whose manifests cannot be listed (down) refuses it the same way."""
+    cfg = _config(tmp_path, keep=1)
+    w = Writer(tmp_path, cfg, "a1")
+    m = await w.put("/a.bin", os.urandom(SIZE))
+    await w.put("/a.bin", os.urandom(SIZE))
+    await w.put("/b.bin", os.urandom(SIZE))
+    _age_chunks(tmp_path)
+    before = _chunk_files(tmp_path)
+    h = path_hash("/b.bin")
+    bad = sorted(_stores_root(tmp_path).glob(f"s*/manifests/{h}/*"))
+    assert len(bad) == 2
+    for p in bad:
+        p.write_bytes(b'{"format": 2, "path": "/b.bin"')
+    report = await _gc(cfg)
+    assert report.stores == () and f"manifests/{h}/" in report.refused and "unreadable" in report.refused
+    r = await _run_cli("gc", config=cfg)
+    assert r.returncode == 1 and b"refused, nothing deleted" in r.stdout and f"manifests/{h}/".encode() in r.stdout
+    assert _chunk_files(tmp_path) == before
+    for p in bad:
+        p.unlink()
+
+    down = await _gc(cfg, wrap=lambda s: FaultyStore(s, down=True) if s.name == "s2" else s)
+    assert down.stores == () and "store 's2': cannot list the manifests" in down.refused
+    assert _chunk_files(tmp_path) == before
+    assert (await _gc(cfg)).freed_objects == 2 * len(m.chunks) + 2 * 4     # a.bin v1, and b.bin's chunks
+
+
+def test_gc_grace_is_a_duration_of_at_least_a_minute(tmp_path: Path) -> None:
+    """gc_grace: default 1h; durations take s, m and h; below 60 s is a config error naming the key."""
+    def parse(extra: str):
+        return parse_config(f'replicas = 1\n{extra}\n[[store]]\nname = "s"\nurl = "s"\n', "t.toml", tmp_path)
+    assert parse("").gc_grace == 3600.0
+    assert parse('gc_grace = "90m"').gc_grace == 5400.0
+    assert parse('gc_grace = "2h"').gc_grace == 7200.0
+    assert parse('gc_grace = 60').gc_grace == 60.0
+    for bad, what in (('gc_grace = "30s"', "at least 60s"), ('gc_grace = "soon"', "duration")):
+        with pytest.raises(ConfigError) as e:
+            parse(bad)
+        assert str(e.value).startswith("t.toml: gc_grace: ") and what in str(e.value)
+
+
+async def test_gc_command_refuses_a_grace_below_the_floor_or_the_config(tmp_path: Path) -> None:
+    """`--grace` below 60 s is a usage error; below the config's gc_grace a config error that says why
+    (mounts touch reused chunks only past gc_grace/2); nothing is deleted either way."""
+    cfg = _config(tmp_path, gc_grace="1h")
+    w = Writer(tmp_path, cfg, "a1")
+    await w.put("/a.bin", os.urandom(SIZE))
+    await w.put("/a.bin", os.urandom(SIZE))
+    await w.put("/a.bin", os.urandom(SIZE))
+    _age_chunks(tmp_path)
+    before = _chunk_files(tmp_path)
+    r = await _run_cli("gc", "--grace", "10s", config=cfg)
+    assert r.returncode == 2 and b"--grace: must be at least 60s" in r.stderr
+    r = await _run_cli("gc", "--grace", "5m", config=cfg)
+    assert r.returncode == 2 and b"config error" in r.stderr and b"below gc_grace" in r.stderr
+    assert _chunk_files(tmp_path) == before
+    r = await _run_cli("gc", "--grace", "90m", "--json", config=cfg)
+    assert r.returncode == 0 and json.loads(r.stdout)["grace"] == 5400.0
+    assert len(_chunk_files(tmp_path)) == len(before) - 2 * 4

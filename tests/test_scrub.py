@@ -1,0 +1,339 @@
+"""`cpfs scrub [--repair]`: every copy of every chunk and manifest checked; corrupt, missing, emptied,
+added and removed stores found and repaired; readers find the copies a repair placed; lost chunks named
+with their files. Damage is done to the store folders themselves, as a failing disk or a person would."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import cpfs
+from cpfs import chunk as chunkfmt
+from cpfs.catalog import Catalog, VersionRef
+from cpfs.config import load_config
+from cpfs.errors import CorruptChunk
+from cpfs.manifest import ChunkEntry, path_hash
+from cpfs.placement import place
+from cpfs.pool import StorePool
+from cpfs.scrub import ScrubReport, Scrubber
+from cpfs.store import FaultyStore, open_store
+
+CHUNK = 256 * 1024
+FILES = ("/tree/a.bin", "/tree/b.bin", "/tree/sub/c.bin")
+
+
+def _config(folder: Path, names: tuple[str, ...] = ("s0", "s1", "s2"), replicas: int = 2) -> Path:
+    """A config of folder stores folder/stores/NAME (the same folders whatever the list)."""
+    lines = [f"replicas = {replicas}", 'chunk_size = "256KiB"']
+    for n in names:
+        lines += ["[[store]]", f'name = "{n}"', f'url = "stores/{n}"']
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "cpfs.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _tree(tmp_path: Path, config: Path) -> dict[str, bytes]:
+    """Three files (b shares a's first chunk), and a second version of a that shares all but its last
+    chunk with the first: dedup across files and versions. Returns the current bytes of each path."""
+    rng = random.Random(7)
+    a1 = rng.randbytes(4 * CHUNK)
+    b = a1[:CHUNK] + rng.randbytes(2 * CHUNK + 1000)
+    c = rng.randbytes(100_000)
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.bin").write_bytes(a1)
+    (src / "b.bin").write_bytes(b)
+    (src / "sub" / "c.bin").write_bytes(c)
+    cpfs("put", str(src), "tree", config=config)
+    a2 = a1[:3 * CHUNK] + rng.randbytes(CHUNK)
+    (tmp_path / "a2.bin").write_bytes(a2)
+    cpfs("put", str(tmp_path / "a2.bin"), "tree/a.bin", config=config)
+    return {"/tree/a.bin": a2, "/tree/b.bin": b, "/tree/sub/c.bin": c}
+
+
+def _objects(config: Path) -> dict[tuple[str, str], bytes]:
+    """(store, key) -> bytes of every chunk and manifest copy in the store folders."""
+    out = {}
+    for store in sorted((config.parent / "stores").iterdir()):
+        for p in store.rglob("*"):
+            key = p.relative_to(store).as_posix()
+            if p.is_file() and key.startswith(("chunks/", "manifests/")) and not p.name.endswith(".cpfs-tmp"):
+                out[(store.name, key)] = p.read_bytes()
+    return out
+
+
+def _scrub(config: Path, *args: str) -> tuple[int, dict]:
+    r = cpfs("scrub", "--json", *args, config=config, check=False)
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def _entries(config: Path, path: str) -> list[ChunkEntry]:
+    doc = json.loads(cpfs("inspect", "--json", path, config=config).stdout)
+    return [ChunkEntry(d, r, s, c, tuple(st)) for d, r, s, c, st in doc["chunks"]]
+
+
+def _copy(config: Path, store: str, digest: str) -> Path:
+    return config.parent / "stores" / store / chunkfmt.chunk_key(digest)
+
+
+def _good(path: Path, digest: str) -> bool:
+    try:
+        chunkfmt.decode(path.read_bytes(), digest)
+    except (OSError, CorruptChunk):
+        return False
+    return True
+
+
+def _assert_reads(config: Path, files: dict[str, bytes]) -> None:
+    for path, data in files.items():
+        assert cpfs("cat", path, config=config).stdout == data, path
+
+
+CLEAN = {"missing": 0, "corrupt": 0, "unreachable": 0, "under_replicated": 0, "lost": 0, "manifest_missing": 0,
+         "manifest_corrupt": 0, "manifests_under_replicated": 0, "manifests_lost": 0, "unrepaired": 0, "ok": True}
+
+
+def _clean(report: dict) -> bool:
+    return {k: report[k] for k in CLEAN} == CLEAN
+
+
+# ---- a healthy tree -------------------------------------------------------------------------------
+
+def test_healthy_tree_scrubs_clean(tmp_path: Path) -> None:
+    """Every copy is read once: a chunk that two files and two versions share counts once, the bytes
+    read are every object's bytes, and nothing is written."""
+    config = _config(tmp_path / "cfg")
+    _tree(tmp_path, config)
+    before = _objects(config)
+    chunks = {k for _, k in before if k.startswith("chunks/")}
+    versions = {k for _, k in before if k.startswith("manifests/")}
+    rc, j = _scrub(config)
+    assert rc == 0 and _clean(j), j
+    assert j["manifests"] == 3 and j["versions"] == len(versions) == 4
+    assert j["chunks"] == len(chunks) == 4 + 1 + 3 + 1     # a v1, a v2's new tail, b's own three, c
+    assert j["replicas"] == 2 * len(chunks) and j["manifest_copies"] == 2 * len(versions)
+    assert j["bytes_read"] == sum(len(b) for b in before.values())
+    assert j["repaired"] == 0 and j["problems"] == [] and j["lost_files"] == []
+    assert _objects(config) == before
+    r = cpfs("scrub", config=config)
+    assert r.returncode == 0 and b"ok: every chunk and version has its replicas" in r.stdout
+
+
+async def test_scrubber_in_process_is_bounded(tmp_path: Path) -> None:
+    """The Scrubber as a library: a frozen report, its counts equal to the live statistics, and at
+    most `concurrency` requests in flight on any store (each check holds one at a time)."""
+    config = _config(tmp_path / "cfg")
+    _tree(tmp_path, config)
+    pool = StorePool(load_config(str(config)))
+    scrubber = Scrubber(pool, Catalog(pool), concurrency=2)
+    report = await scrubber.run()
+    assert isinstance(report, ScrubReport) and report.ok and report.stats == scrubber.statistics()
+    assert report.stats.phase == "done" and report.stats.chunks == report.stats.chunks_total == 9
+    with pytest.raises(AttributeError):
+        report.stats.lost = 1                                   # type: ignore[misc]
+    assert all(s.peak_outstanding <= 2 for s in pool.statistics())
+    assert sum(s.bytes_read for s in pool.statistics()) == report.stats.bytes_read
+    assert scrubber.limiter.borrowed_tokens == 0
+
+
+async def test_a_store_that_is_down_is_reported_not_waited_for(tmp_path: Path) -> None:
+    """A store that fails every request: each copy it holds is counted unreachable (the scrub is not
+    ok, and says its listing failed); --repair cannot make up for it on the placement it is part of,
+    and says so, but the scrub ends."""
+    config_path = _config(tmp_path / "cfg")
+    _tree(tmp_path, config_path)
+    on_s2 = [k for s, k in _objects(config_path) if s == "s2"]
+    config = load_config(str(config_path))
+    stores = [FaultyStore(open_store(s), down=s.name == "s2") for s in config.stores]
+    pool = StorePool(config, stores=stores)
+    report = await Scrubber(pool, Catalog(pool)).run(repair=True)
+    s = report.stats
+    assert not report.ok and s.stores_unlisted == 1 and s.unreachable == len(on_s2) > 0
+    assert s.lost == s.manifests_lost == s.missing == s.corrupt == 0
+    assert s.unrepaired > 0 and any(p.kind == "repair failed" and p.store == "s2" for p in report.problems)
+
+
+# ---- corrupt and missing copies ---------------------------------------------------------------------
+
+def test_corrupt_and_deleted_copies_are_reported_and_repaired(tmp_path: Path) -> None:
+    """A corrupt and a deleted chunk copy, a deleted and a cut manifest copy: reported with store and
+    file (exit 1); --repair rewrites exactly those four from the good copies (exit 0), the files read
+    back byte-exact and the next scrub is clean."""
+    config = _config(tmp_path / "cfg")
+    files = _tree(tmp_path, config)
+    c = _entries(config, "/tree/sub/c.bin")[0]
+    b = _entries(config, "/tree/b.bin")[-1]
+    corrupt, good_c = _copy(config, c.stores[0], c.digest), _copy(config, c.stores[1], c.digest)
+    blob = bytearray(corrupt.read_bytes())
+    blob[len(blob) // 2] ^= 0x40
+    corrupt.write_bytes(blob)
+    _copy(config, b.stores[1], b.digest).unlink()
+    manifests = sorted(k for k in _objects(config) if k[1].startswith("manifests/"))
+    gone, cut = manifests[0], next(m for m in manifests if m[1] != manifests[0][1])
+    (config.parent / "stores" / gone[0] / gone[1]).unlink()
+    cut_path = config.parent / "stores" / cut[0] / cut[1]
+    cut_path.write_bytes(cut_path.read_bytes()[:-20])
+
+    rc, j = _scrub(config)
+    assert rc == 1 and not j["ok"]
+    assert (j["corrupt"], j["missing"], j["under_replicated"], j["lost"]) == (1, 1, 2, 0)
+    assert (j["manifest_missing"], j["manifest_corrupt"], j["manifests_under_replicated"]) == (1, 1, 2)
+    assert j["unrepaired"] == 4 and j["repaired"] == 0
+    kinds = {(p["what"], p["kind"], p["store"]) for p in j["problems"]}
+    assert {("chunk", "corrupt", c.stores[0]), ("chunk", "missing", b.stores[1]),
+            ("manifest", "missing", gone[0]), ("manifest", "corrupt", cut[0])} <= kinds
+    where = {p["key"]: p["where"] for p in j["problems"] if p["what"] == "chunk"}
+    assert where[chunkfmt.chunk_key(c.digest)] == "/tree/sub/c.bin version 1 (current)"
+    assert where[chunkfmt.chunk_key(b.digest)] == "/tree/b.bin version 1 (current)"
+
+    rc, j = _scrub(config, "--repair")
+    assert rc == 0 and j["ok"] and j["repaired"] == 4 and j["unrepaired"] == 0
+    assert corrupt.read_bytes() == good_c.read_bytes() and _good(corrupt, c.digest)
+    assert _copy(config, b.stores[1], b.digest).read_bytes() == _copy(config, b.stores[0], b.digest).read_bytes()
+    for store, key in (gone, cut):
+        other = next(s for s, k in _objects(config) if k == key and s != store)
+        assert (config.parent / "stores" / store / key).read_bytes() == \
+            (config.parent / "stores" / other / key).read_bytes()
+    rc, j = _scrub(config)
+    assert rc == 0 and _clean(j) and j["repaired"] == 0
+    _assert_reads(config, files)
+
+
+def test_emptied_store_is_refilled(tmp_path: Path) -> None:
+    """A store replaced by an empty one (its folder's content deleted): scrub counts every copy it
+    held as missing; --repair puts every chunk and manifest copy back, byte-equal to the good one."""
+    config = _config(tmp_path / "cfg")
+    files = _tree(tmp_path, config)
+    before = _objects(config)
+    held = [k for s, k in before if s == "s1"]
+    folder = config.parent / "stores" / "s1"
+    for p in folder.iterdir():
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    rc, j = _scrub(config)
+    assert rc == 1
+    assert j["missing"] == j["under_replicated"] == sum(k.startswith("chunks/") for k in held) > 0
+    assert j["manifest_missing"] == sum(k.startswith("manifests/") for k in held) > 0
+    rc, j = _scrub(config, "--repair")
+    assert rc == 0 and j["repaired"] == len(held)
+    assert _objects(config) == before
+    assert _clean(_scrub(config)[1])
+    _assert_reads(config, files)
+
+
+# ---- stores added and removed -------------------------------------------------------------------------
+
+def test_added_store_then_removed_store(tmp_path: Path, mount) -> None:
+    """A 4th store added: chunks keep their listed copies, manifest versions whose placement moved to
+    the new store are copied there. Then a store removed from the config (its folder gone): chunks it
+    held are short, --repair puts copies on their current placement, and `cpfs cat` and a mount read
+    every file (and the older version) byte-exact from where the manifests do not say."""
+    cfg = tmp_path / "cfg"
+    config = _config(cfg)
+    files = _tree(tmp_path, config)
+    old_a = cpfs("cat", "--version", "1", "/tree/a.bin", config=config).stdout
+
+    # A name whose arrival moves some path's manifest placement (rendezvous hashing moves ~half).
+    new = next(n for n in (f"n{i}" for i in range(100))
+               if any(n in place(path_hash(p), ("s0", "s1", "s2", n), 2) for p in FILES))
+    four = ("s0", "s1", "s2", new)
+    config = _config(cfg, four)
+    before = _objects(config)
+    need = 0
+    for key in {k for _, k in before if k.startswith("manifests/")}:
+        ref = VersionRef.parse(key)
+        need += sum((s, key) not in before for s in place(ref.path_hash, four, 2))
+    rc, j = _scrub(config)
+    assert need > 0 and (rc, j["manifest_missing"], j["missing"], j["under_replicated"]) == (1, need, 0, 0)
+    rc, j = _scrub(config, "--repair")
+    assert rc == 0 and j["repaired"] == need
+    assert _clean(_scrub(config)[1])
+    _assert_reads(config, files)
+
+    three = ("s1", "s2", new)
+    config = _config(cfg, three)
+    shutil.rmtree(cfg / "stores" / "s0")
+    rc, j = _scrub(config)
+    assert rc == 1 and j["under_replicated"] > 0 and j["lost"] == 0 and j["missing"] == 0
+    rc, j = _scrub(config, "--repair")
+    assert rc == 0 and j["repaired"] >= j["under_replicated"] > 0
+    assert _clean(_scrub(config)[1])
+    relies = 0          # entries that read a copy from a store they do not list
+    for path in FILES:
+        for e in _entries(config, path):
+            reachable = (set(e.stores) & set(three)) | set(place(e.digest, three, 2))
+            assert sum(_good(_copy(config, s, e.digest), e.digest) for s in reachable) >= 2, (path, e)
+            relies += sum(_good(_copy(config, s, e.digest), e.digest) for s in set(e.stores) & set(three)) < 2
+    assert relies > 0
+    for key in {k for _, k in _objects(config) if k.startswith("manifests/")}:
+        ref = VersionRef.parse(key)
+        assert all((cfg / "stores" / s / key).is_file() for s in place(ref.path_hash, three, 2))
+    _assert_reads(config, files)
+    assert cpfs("cat", "--version", "1", "/tree/a.bin", config=config).stdout == old_a
+    m = mount(config)
+    for path, data in files.items():
+        assert (m.path / path.lstrip("/")).read_bytes() == data, path
+
+
+async def test_readers_find_copies_on_the_current_placement(tmp_path: Path) -> None:
+    """fetch_chunk tries the stores an entry lists, then the chunk's current placement: an entry that
+    names only stores that are gone, or that lack the copy, still reads from the placement."""
+    pool = StorePool(load_config(str(_config(tmp_path / "cfg"))))
+    data = os.urandom(70_000)
+    enc = chunkfmt.encode(data)
+    placement = place(enc.digest, pool.names, 2)
+    for name in placement:
+        await pool.put(name, chunkfmt.chunk_key(enc.digest), enc.blob)
+    other = next(n for n in pool.names if n not in placement)
+    for stores in (("gone",), (other,), ("gone", other)):
+        entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, stores)
+        assert await pool.fetch_chunk(entry, "drill") == data
+    assert pool.replica_statistics().repairs_dropped == 0
+
+
+# ---- lost chunks, and PATH ------------------------------------------------------------------------
+
+def test_lost_chunk_names_its_file_and_stays_an_error(tmp_path: Path) -> None:
+    """A chunk with no good copy anywhere: reported as lost with the file and version that need it,
+    exit 1 also after --repair (which still repairs everything else)."""
+    config = _config(tmp_path / "cfg")
+    _tree(tmp_path, config)
+    c = _entries(config, "/tree/sub/c.bin")[0]
+    for s in c.stores:
+        _copy(config, s, c.digest).unlink()
+    b = _entries(config, "/tree/b.bin")[-1]
+    _copy(config, b.stores[0], b.digest).write_bytes(b"not a chunk")
+    rc, j = _scrub(config)
+    assert rc == 1 and j["lost"] == 1 and j["lost_files"] == ["/tree/sub/c.bin version 1 (current)"]
+    rc, j = _scrub(config, "--repair")
+    assert rc == 1 and j["lost"] == 1 and j["unrepaired"] == 1 and j["repaired"] == 1
+    assert _good(_copy(config, b.stores[0], b.digest), b.digest)
+    r = cpfs("scrub", config=config, check=False)
+    out = r.stdout.decode()
+    assert r.returncode == 1 and "/tree/sub/c.bin version 1 (current)" in out and "NOT OK" in out
+
+
+def test_path_limits_the_scrub(tmp_path: Path) -> None:
+    """PATH scrubs that file, or the files under that folder, and repairs only those."""
+    config = _config(tmp_path / "cfg")
+    _tree(tmp_path, config)
+    c = _entries(config, "/tree/sub/c.bin")[0]
+    bad = _copy(config, c.stores[1], c.digest)
+    bad.write_bytes(bad.read_bytes()[:-1])
+    rc, j = _scrub(config, "/tree/b.bin")
+    assert rc == 0 and (j["manifests"], j["versions"], j["chunks"]) == (1, 1, 4)
+    rc, j = _scrub(config, "--repair", "/tree/a.bin")
+    assert rc == 0 and (j["manifests"], j["versions"], j["chunks"], j["repaired"]) == (1, 2, 5, 0)
+    assert not _good(bad, c.digest)
+    rc, j = _scrub(config, "/tree/sub")
+    assert rc == 1 and (j["manifests"], j["chunks"], j["corrupt"]) == (1, 1, 1)
+    rc, j = _scrub(config, "/tree")
+    assert rc == 1 and (j["manifests"], j["versions"], j["chunks"], j["corrupt"]) == (3, 4, 9, 1)
+    rc, j = _scrub(config, "--repair", "/tree/sub/")
+    assert rc == 0 and j["repaired"] == 1 and _good(bad, c.digest)
+    assert _scrub(config, "/")[0] == 0
