@@ -214,3 +214,24 @@ async def test_files_are_listed_without_refetching_known_versions(tmp_path: Path
     await commit_bytes(cat, "/f0", b"new")
     assert (await reader.load_all())["/f0"].size == 3
     assert reader.statistics().summaries == 6 and reader.statistics().fetched == 0
+
+
+async def test_a_file_removed_while_a_store_is_down_stays_removed_when_it_returns(tmp_path: Path) -> None:
+    """write_quorum 1: rm while one store refuses writes; when that store is back (with the old version
+    still on it), the file stays removed, because the removal is a newer version, not a deletion."""
+    wrappers: list[RefuseManifests] = []
+
+    def wrap(store):
+        wrappers.append(RefuseManifests(store))
+        return wrappers[-1]
+
+    cat = Catalog(make_pool(tmp_path, quorum=1, wrap=wrap))
+    await commit_bytes(cat, "/ckpt.pt", b"soon removed")
+    wrappers[1].refusing = True
+    await cat.remove("/ckpt.pt")
+    wrappers[1].refusing = False
+    fresh = Catalog(make_pool(tmp_path, quorum=1))
+    assert "/ckpt.pt" not in await fresh.load_all()
+    with pytest.raises(NotFound):
+        await fresh.get("/ckpt.pt")
+    assert any(f.endswith(".ok.json") for f in version_files(tmp_path, "s1", "/ckpt.pt"))   # the old one is there
