@@ -419,9 +419,12 @@ class StorePool:
                 while running:
                     wait, due = math.inf, math.inf
                     if more and self.config.hedges > 0 and newest in running:
-                        # Recomputed while waiting: the p95 moves as other reads finish.
                         due = max(running[newest] + self._hedge_after(newest), hold)
-                        wait = min(due - trio.current_time(), self.config.hedge_min)
+                        wait = due - trio.current_time()
+                        if len(self._latency[newest]) < 8:
+                            # Its p95 is still borrowed from the other stores and moves as their reads
+                            # finish: look again soon. With samples of its own, once is enough.
+                            wait = min(wait, self.config.hedge_min)
                     with trio.move_on_after(max(0.0, wait)):
                         name, took, ok, result = await recv.receive()
                         del running[name]
