@@ -64,6 +64,7 @@ from .errors import ManifestError, NoSuchObject, StoreError
 from .manifest import Manifest
 from .pool import StorePool
 from .store import ObjectInfo
+from .store.directory import is_claim
 from .sync import fan_out
 from .upload import in_parallel
 
@@ -291,8 +292,8 @@ class GarbageCollector:
                                     tally.young += 1
                                     tally.young_bytes += info.size
                                     continue
-                            elif info.mtime >= cutoff:
-                                continue            # a put in progress, perhaps
+                            elif info.mtime >= cutoff and not is_claim(info.key):
+                                continue            # a put in progress, perhaps (claims: whatever age)
                             await slots.acquire()
                             n.start_soon(delete, info, temporary)
                 except StoreError as e:

@@ -571,3 +571,23 @@ async def test_gc_command_refuses_a_grace_below_the_floor_or_the_config(tmp_path
     r = await _run_cli("gc", "--grace", "90m", "--json", config=cfg)
     assert r.returncode == 0 and json.loads(r.stdout)["grace"] == 5400.0
     assert len(_chunk_files(tmp_path)) == len(before) - 2 * 4
+
+
+async def test_a_claim_left_by_a_killed_gc_is_put_back(tmp_path: Path) -> None:
+    """A gc killed between claiming a chunk file (renamed aside to judge its age) and settling it left
+    the copy under a temporary name: the next gc puts it back, young or old, so a version that counts
+    on it reads again; a claim whose name a put wrote again meanwhile is simply removed."""
+    cfg = _config(tmp_path)
+    w = Writer(tmp_path, cfg, "a1")
+    data = os.urandom(SIZE)
+    m = await w.put("/kept.bin", data)
+    copies = sorted(p for p in _chunk_files(tmp_path) if p.name in {c.digest for c in m.chunks})
+    claimed, rewritten = copies[0], copies[1]
+    claim = claimed.with_name(f"{claimed.name}.{uuid.uuid4().hex}.claim.cpfs-tmp")
+    claimed.rename(claim)                                    # what the killed gc left
+    stale = rewritten.with_name(f"{rewritten.name}.{uuid.uuid4().hex}.claim.cpfs-tmp")
+    stale.write_bytes(rewritten.read_bytes())                # a claim whose name came back
+    assert _missing_copies(tmp_path, m)
+    await _gc(cfg)
+    assert claimed.exists() and not claim.exists() and not stale.exists() and rewritten.exists()
+    assert _missing_copies(tmp_path, m) == [] and await w.read("/kept.bin") == data

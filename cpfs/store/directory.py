@@ -17,6 +17,7 @@ import errno
 import inspect
 import itertools
 import os
+import re
 import stat
 import uuid
 from collections.abc import Iterator, Mapping
@@ -40,6 +41,13 @@ _TRANSIENT = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT
               errno.ENOTCONN, errno.ECONNRESET, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETUNREACH}
 
 TMP_SUFFIX = ".cpfs-tmp"
+# A file a deletion claimed (see _reap_sync): still a temporary file to listings, but complete, so a
+# claim left by a killed gc is put back under its name by the next sweep, never reaped as garbage.
+_CLAIM = re.compile(r"(.+)\.[0-9a-f]{32}\.claim" + re.escape(TMP_SUFFIX))
+
+
+def is_claim(key: str) -> bool:
+    return _CLAIM.fullmatch(key.rsplit("/", 1)[-1]) is not None
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -225,10 +233,13 @@ class DirectoryStore(Store):
         """Delete the file if it is older than `before`, atomically against `touch`: claim it by a rename
         first (a touch or read after that finds no object), then judge its age; a file touched before
         the claim is renamed back. The open before the fstat makes NFS revalidate the attributes."""
+        m = _CLAIM.fullmatch(path.name)
+        if m is not None:
+            return self._settle_claim(path, path.with_name(m[1]))
         try:
             if self._stat_sync(path).st_mtime >= before:
                 return False
-            claim = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+            claim = path.with_name(f"{path.name}.{uuid.uuid4().hex}.claim{TMP_SUFFIX}")
             os.rename(path, claim)
         except FileNotFoundError:
             return False
@@ -246,6 +257,20 @@ class DirectoryStore(Store):
             # Another gc's sweep of temporary files took the claim: it judged the same mtime old too.
             return False
         return True
+
+    @staticmethod
+    def _settle_claim(claim: Path, original: Path) -> bool:
+        """A claim a deletion left (its gc was killed between claiming and judging): put it back, whatever
+        its age, unless a put wrote the name again meanwhile. Never a loss: an unreferenced chunk put
+        back goes at the next gc."""
+        try:
+            if original.exists():
+                os.unlink(claim)
+                return True
+            os.rename(claim, original)
+        except FileNotFoundError:
+            pass                        # the claim of a gc still running: it settles it itself
+        return False
 
     async def delete_if_older(self, key: str, before: float) -> bool:
         path = self._path(key)
