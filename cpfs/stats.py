@@ -41,18 +41,28 @@ def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any]) -
     return json.dumps(doc, indent=1).encode() + b"\n"
 
 
+def _figure(key: str, value: float) -> str:
+    """A per-file figure for people: byte counts in MiB."""
+    return f"{value / MiB:.1f} MiB" if "bytes" in key or key in ("read", "fetched") else f"{value:g}"
+
+
 def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     """A screenful for people: per store, then the cache and the scheduler. With `before` (an earlier
     document), rates over the interval between the two."""
     dt = (now["time"] - before["time"]) if before else 0.0
     old = {s["name"]: s for s in before["stores"]} if before else {}
     up = {h["name"]: h["up"] for h in now["health"]}
+    # Figures a layer may not report (yet): shown when the document has them.
+    quantiles = all("latency_p50" in s and "latency_p99" in s for s in now["stores"]) and bool(now["stores"])
     lines = [f"{'store':<12} {'up':<3} {'requests':>9} {'errors':>7} {'in flight':>9} "
-             f"{'read MiB':>9} {'written MiB':>11} {'latency ms':>10}" + (f" {'read MiB/s':>10}" if dt else "")]
+             f"{'read MiB':>9} {'written MiB':>11} {'latency ms':>10}"
+             + (f" {'p50 ms':>8} {'p99 ms':>8}" if quantiles else "") + (f" {'read MiB/s':>10}" if dt else "")]
     for s in now["stores"]:
         line = (f"{s['name']:<12} {'yes' if up.get(s['name'], True) else 'NO':<3} {s['requests']:>9} "
                 f"{s['errors']:>7} {s['outstanding']:>9} {s['bytes_read'] / MiB:>9.1f} "
                 f"{s['bytes_written'] / MiB:>11.1f} {s['latency_ewma'] * 1000:>10.2f}")
+        if quantiles:
+            line += f" {s['latency_p50'] * 1000:>8.2f} {s['latency_p99'] * 1000:>8.2f}"
         if dt:
             prev = old.get(s["name"], s)
             line += f" {(s['bytes_read'] - prev['bytes_read']) / MiB / dt:>10.1f}"
@@ -60,9 +70,23 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     c, sc, r = now["cache"], now["scheduler"], now["replicas"]
     lines.append(f"cache: {c['used'] / MiB:.0f} of {c['budget'] / MiB:.0f} MiB, {c['hits']} hits, "
                  f"{c['misses']} misses, {c['evictions']} evictions")
+    prefetch = f"{sc['prefetches']} prefetched ({sc['prefetch_failures']} failed"
+    if "prefetch_used" in sc and "prefetch_wasted" in sc:
+        prefetch += f", {sc['prefetch_used']} used, {sc['prefetch_wasted']} wasted"
+    pushed = f"{sc['pushed']} chunks" + (f" ({sc['pushed_bytes'] / MiB:.1f} MiB)" if "pushed_bytes" in sc else "")
     lines.append(f"reads: {sc['reads']} requests, {sc['read_bytes'] / MiB:.1f} MiB; fetches: {sc['demand_fetches']} "
-                 f"on demand, {sc['prefetches']} prefetched ({sc['prefetch_failures']} failed), "
-                 f"{sc['inflight']} in flight; {sc['pushed']} chunks pushed to the page cache")
+                 f"on demand, {prefetch}), {sc['inflight']} in flight; {pushed} pushed to the page cache")
+    if dt:
+        fetched = sum(s["bytes_read"] for s in now["stores"]) - sum(s["bytes_read"] for s in before["stores"])
+        read = sc["read_bytes"] - before["scheduler"]["read_bytes"]
+        lines.append(f"last {dt:.1f} s: {read / MiB / dt:.1f} MiB/s read from the mount, "
+                     f"{fetched / MiB / dt:.1f} MiB/s fetched from the stores")
+    for f in sc.get("files", []) if isinstance(sc.get("files"), list) else []:
+        if isinstance(f, dict):
+            name = f.get("path", f.get("name", "?"))
+            figures = ", ".join(f"{k} {_figure(k, v)}" for k, v in f.items()
+                                if k not in ("path", "name") and isinstance(v, (int, float)) and not isinstance(v, bool))
+            lines.append(f"file {name}: {figures}")
     lines.append(f"replicas: {r['reads']} reads, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
                  f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")
     m = now["mount"]

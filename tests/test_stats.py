@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cpfs.stats import CONTROL_NAME
+from cpfs.stats import CONTROL_NAME, render
 from tests.conftest import cpfs
 
 pytestmark = pytest.mark.mount
@@ -39,3 +39,30 @@ def test_stats_of_a_mount_count_what_a_read_did(make_config, tmp_path: Path, mou
 def test_stats_of_a_folder_that_is_not_a_mount_is_one_line(tmp_path: Path) -> None:
     r = cpfs("stats", str(tmp_path), check=False, text=True)
     assert r.returncode == 1 and r.stderr.startswith("cpfs: error:") and r.stderr.count("\n") == 1
+
+
+def _doc(t: float, read: int, fetched: int, **scheduler_extra) -> dict:
+    store = {"name": "s0", "requests": 1, "errors": 0, "cancelled": 0, "outstanding": 0, "peak_outstanding": 1,
+             "bytes_read": fetched, "bytes_written": 0, "latency_ewma": 0.002}
+    return {"time": t, "stores": [store], "health": [{"name": "s0", "up": True}],
+            "replicas": {"reads": 1, "fallbacks": 0, "hedges": 0, "hedges_won": 0, "repairs_dropped": 0},
+            "cache": {"used": 0, "budget": 64 * MiB, "hits": 0, "misses": 1, "evictions": 0},
+            "scheduler": {"reads": 2, "read_bytes": read, "demand_fetches": 1, "prefetches": 0,
+                          "prefetch_failures": 0, "inflight": 0, "pushed": 0, **scheduler_extra},
+            "mount": {"files": 1, "open_handles": 0, "writing": 0}}
+
+
+def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
+    """--watch: read and fetched MiB/s over the interval; latency quantiles, prefetch used/wasted, pushed
+    bytes and per-file figures appear once the layers report them (and are left out before)."""
+    plain = render(_doc(1.0, 0, 0))
+    assert "p50" not in plain and "wasted" not in plain and "file " not in plain and "last " not in plain
+    before = _doc(1.0, 0, 0)
+    now = _doc(3.0, 8 * MiB, 4 * MiB, prefetch_used=3, prefetch_wasted=1, pushed_bytes=2 * MiB,
+               files=[{"path": "/f.bin", "read_bytes": 8 * MiB, "fetched_bytes": 4 * MiB}])
+    now["stores"][0].update(latency_p50=0.004, latency_p99=0.02)
+    text = render(now, before)
+    assert "last 2.0 s: 4.0 MiB/s read from the mount, 2.0 MiB/s fetched from the stores" in text
+    assert "p50 ms" in text and "4.00" in text and "20.00" in text
+    assert "3 used, 1 wasted" in text and "(2.0 MiB) pushed" in text
+    assert "file /f.bin: read_bytes 8.0 MiB, fetched_bytes 4.0 MiB" in text
