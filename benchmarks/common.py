@@ -252,6 +252,36 @@ def mounted(config: Path | None, mountpoint: Path, log_file: Path | None = None)
         unmount(m)
 
 
+def mount_stats(mountpoint: Path) -> dict[str, Any]:
+    """The live statistics of a cpfs mount: its `.cpfs-stats` control file (cpfs/stats.py), parsed."""
+    from cpfs.stats import CONTROL_NAME
+
+    try:
+        return json.loads((Path(mountpoint) / CONTROL_NAME).read_bytes())
+    except (OSError, ValueError) as e:
+        raise BenchError(f"cannot read the statistics of the mount at {mountpoint}: {e}") from None
+
+
+def fetched_bytes(doc: dict[str, Any]) -> int:
+    """Bytes read from every store so far, from a `mount_stats` document."""
+    return sum(s["bytes_read"] for s in doc["stores"])
+
+
+def write_store_config(folder: Path, *, stores: int, replicas: int, name: str = "cpfs.toml",
+                       latency: str | None = None, bandwidth: str | None = None, extra: str = "") -> Path:
+    """`folder`/`name`: `stores` folder stores under `folder`/stores (relative urls, so several configs in one
+    folder share the same stores, e.g. one plain for importing and one throttled for reading)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"replicas = {replicas}", extra]
+    for i in range(stores):
+        lines += ["", "[[store]]", f'name = "s{i}"', f'url = "stores/s{i}"']
+        lines += [f'latency = "{latency}"'] if latency else []
+        lines += [f'bandwidth = "{bandwidth}"'] if bandwidth else []
+    path = folder / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def print_daemon_report(m: Mount, title: str, tail: int = 0) -> None:
     """The daemon's statistics lines and warnings; with `tail`, also its last lines."""
     took = f"; unmount took {m.unmount_seconds:.1f} s" if m.unmount_seconds is not None else ""
@@ -318,6 +348,14 @@ def timed_read(path: Path, *, cold: bool, touch: int = 0, block: int = MiB, time
     return ReadResult(**run_child(cmd, timeout))
 
 
+def timed_st_load(path: Path, *, cold: bool, touch: int = 0, timeout: float = 1800) -> LoadResult:
+    """safetensors.torch.load_file in a fresh python, then a first read of every tensor (a clone):
+    load_file maps the file and its tensors fault their pages in only when touched, so the load alone
+    would time nothing. `seconds` is the load, `read_seconds` the first read; compare `total_seconds`."""
+    cmd = [sys.executable, "-m", "benchmarks.common", "st", str(path), "--touch", str(touch)]
+    return LoadResult(**run_child(cmd + (["--cold"] if cold else []), timeout))
+
+
 def run_child(cmd: list[str], timeout: float) -> dict[str, Any]:
     """A benchmark step in a fresh python: its last stdout line is a JSON result."""
     try:
@@ -379,6 +417,24 @@ def _child_load(args: argparse.Namespace) -> dict[str, Any]:
             "fingerprints": fingerprints(sd) if args.fingerprint else {}}
 
 
+def _child_st(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    note = drop_caches() if args.cold else None
+    touch_memory(args.touch)
+    t0 = time.perf_counter()
+    sd = load_file(args.path)
+    seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            v.clone()
+    read_seconds = time.perf_counter() - t0
+    return {"path": args.path, "size": os.path.getsize(args.path), "seconds": seconds, "read_seconds": read_seconds,
+            "cold": args.cold, "mmap": True, "note": note, "fingerprints": {}}
+
+
 def _child_read(args: argparse.Namespace) -> dict[str, Any]:
     note = drop_caches() if args.cold else None
     touch_memory(args.touch)
@@ -397,7 +453,7 @@ def _child_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.common",
                                 description="One timed load or read (run by the benchmarks in a fresh process).")
     sub = p.add_subparsers(dest="what", required=True)
-    for name in ("load", "read"):
+    for name in ("load", "read", "st"):
         s = sub.add_parser(name)
         s.add_argument("path")
         s.add_argument("--cold", action="store_true", help="drop the kernel caches first")
@@ -408,7 +464,7 @@ def _child_main(argv: list[str] | None = None) -> int:
         else:
             s.add_argument("--block", type=int, default=MiB)
     args = p.parse_args(argv)
-    result = _child_load(args) if args.what == "load" else _child_read(args)
+    result = {"load": _child_load, "read": _child_read, "st": _child_st}[args.what](args)
     print(json.dumps(result))
     return 0
 
