@@ -3,7 +3,7 @@ ratios against baselines measured in the same run, and draws them).
 
 Cases (`--cases`, default all), each a function returning rows, run in this order:
 - loads:   one checkpoint (~`--size`) from local disk and through cpfs over 3 fast folder stores:
-           direct cold/warm, cpfs cold (fresh mount, daemon CPU-s per GiB), cpfs on a fresh mount over
+           direct cold/warm, cpfs cold (fresh mount; daemon CPU-s per GiB, peak RSS), cpfs on a fresh mount over
            warm stores, cpfs warm torch.load / mmap=True / safetensors load_file (both + the first read
            of every tensor: they map the file, so the load alone reads nothing).
 - peers:   the same cold load through benchmarks/passthrough.py (a naive pyfuse3 pass-through, from
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .common import (GiB, MiB, ROOT, BenchError, Mount, ensure_imported, fetched_bytes, human, leaves, mount_stats,
+from .common import (GiB, MiB, ROOT, BenchError, Mount, RssSampler, ensure_imported, fetched_bytes, human, leaves, mount_stats,
                      mounted, parse_size, print_daemon_report, remove_tree, timed_load, timed_read,
                      timed_st_load, write_store_config)
 
@@ -182,6 +182,7 @@ def case_loads(ctx: Ctx) -> list[Row]:
     t: dict[str, list[float]] = defaultdict(list)
     cpu: list[float] = []
     fetched: list[float] = []
+    rss: list[float] = []
     for rnd in range(ctx.repeat):
         d = timed_load(ctx.pt, cold=True, touch=ctx.touch)
         ctx.check("direct cold", d.fingerprints)
@@ -193,7 +194,9 @@ def case_loads(ctx: Ctx) -> list[Row]:
         t["direct warm safetensors"].append(safetensors_load(ctx.st, cold=False, touch=ctx.touch))
         with ctx.mount(cfg, f"loads cold {rnd + 1}") as m:
             s0, c0 = mount_stats(m.path), cpu_seconds(m.pid)
-            r = timed_load(m.path / DEST_PT, cold=True, touch=ctx.touch)
+            with RssSampler(m.pid) as sampler:
+                r = timed_load(m.path / DEST_PT, cold=True, touch=ctx.touch)
+            rss.append(sampler.peak)
             cpu.append(cpu_seconds(m.pid) - c0)
             fetched.append(fetched_bytes(mount_stats(m.path)) - fetched_bytes(s0))
             ctx.check("cpfs cold", r.fingerprints)
@@ -219,7 +222,8 @@ def case_loads(ctx: Ctx) -> list[Row]:
     c = med(cpu)
     return [row("direct cold", "direct cold", None), row("direct warm", "direct warm", None),
             row("cpfs cold", "direct cold", 0.9, **{"CPU-s/GiB": f"{c / gib:.2f}" if c is not None else "",
-                                                    "fetched/size": f"{med(fetched) / ctx.size:.2f}"}),
+                                                    "fetched/size": f"{med(fetched) / ctx.size:.2f}",
+                                                    "daemon RSS peak": human(med(rss))}),
             row("cpfs fresh mount, warm stores", "direct warm", 0.8),
             row("cpfs warm", "direct warm", 0.95),
             row("direct warm mmap", "direct warm mmap", None), row("cpfs warm mmap", "direct warm mmap", 0.95),
