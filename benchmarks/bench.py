@@ -29,6 +29,7 @@ fetched / read (lower is better). The chart (`--chart`, default bench.png) draws
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -115,8 +116,9 @@ def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+@functools.cache
 def optional(module: str) -> Any | None:
-    """A sibling benchmark module written by another helper, if it is there and imports."""
+    """A sibling benchmark module written by another helper, if it is there and imports (said once)."""
     try:
         return importlib.import_module(f"benchmarks.{module}")
     except ImportError as e:
