@@ -6,11 +6,13 @@ the buffers instead. Whoever reads into one may keep views of it for as long as 
 cache holds a raw chunk as a view of the buffer it was read into, the page-cache feeder pushes from
 it): a buffer is handed out again only when the pool holds the last reference to it, which a
 `memoryview` of it, or of a slice of it, keeps from happening (a view refers to its buffer).
+Buffers come in size classes (`size_class`): one of a class serves any object of that class.
 
 Buffers are anonymous private mappings (page-aligned, as O_DIRECT wants); a take() the pool cannot
-serve from a free buffer gets a new one, kept if the pool is under `max_bytes`, else not tracked (freed
-by the garbage collector as any object). So the pool holds at most `max_bytes` beyond what the cache
-and the readers hold.
+serve from a free buffer gets a new one, kept if the pool is under `max_bytes` (after freeing idle
+buffers of other classes), else not tracked (freed as any object once unreferenced). Buffers in use
+are what the cache and the readers hold anyway; idle ones are at most `max_bytes`, and `trim()`
+(the daemon calls it once reads stop for a few seconds) frees them.
 
 Invariant: a buffer is written only by the thread that took it, before it hands out any view of it.
 """
@@ -22,7 +24,7 @@ import threading
 from dataclasses import dataclass
 
 PAGE = mmap.PAGESIZE
-DEFAULT_MAX = 128 * 1024**2
+DEFAULT_MAX = 256 * 1024**2     # the default readahead window: what may be in flight and pinned
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,20 @@ def _refs(items: list[mmap.mmap], i: int) -> int:
     return sys.getrefcount(items[i])
 
 
+def size_class(size: int) -> int:
+    """Buffers come in sizes of whole pages, four per doubling (at most a quarter more than asked),
+    so that a buffer fits the next object of about its size: chunks cut on tensor boundaries vary."""
+    pages = max(1, -(-size // PAGE))
+    if pages <= 4:
+        return pages * PAGE
+    step = 1 << (pages.bit_length() - 3)     # a quarter of the power of two below
+    return -(-pages // step) * step * PAGE
+
+
 class BufferPool:
     def __init__(self, max_bytes: int = DEFAULT_MAX) -> None:
-        self.max_bytes = max_bytes
-        self._bufs: list[mmap.mmap] = []
+        self.max_bytes = max_bytes            # buffers tracked, in use or not
+        self._classes: dict[int, list[mmap.mmap]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self._reused = self._allocated = 0
@@ -48,41 +60,51 @@ class BufferPool:
         self._idle = _refs([mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE)], 0)
 
     def statistics(self) -> BufferStats:
-        return BufferStats(len(self._bufs), self._bytes, self._reused, self._allocated)
+        return BufferStats(sum(map(len, self._classes.values())), self._bytes, self._reused, self._allocated)
 
     def take(self, size: int) -> mmap.mmap:
-        """A page-aligned buffer of at least `size` bytes (rounded up to whole pages), contents
-        undefined. Thread-safe; call from worker threads."""
-        want = max(PAGE, -(-size // PAGE) * PAGE)
+        """A page-aligned buffer of at least `size` bytes (see size_class), contents undefined; only
+        the pages written to are backed by memory. Thread-safe; call from worker threads."""
+        want = size_class(size)
         with self._lock:
-            bufs, best = self._bufs, -1
+            bufs = self._classes.setdefault(want, [])
             for i in range(len(bufs)):        # no loop variable: it would hold a reference
-                n = len(bufs[i])
-                if n >= want and (best < 0 or n < len(bufs[best])) and _refs(bufs, i) == self._idle:
-                    best = i
-                    if n == want:
-                        break
-            if best >= 0:
-                self._reused += 1
-                return self._bufs[best]
+                if _refs(bufs, i) == self._idle:
+                    self._reused += 1
+                    return bufs[i]
             self._allocated += 1
             buf = mmap.mmap(-1, want, flags=mmap.MAP_PRIVATE)
+            if self._bytes + want > self.max_bytes:
+                self._trim(want)
             if self._bytes + want <= self.max_bytes:
-                self._bufs.append(buf)
+                bufs.append(buf)
                 self._bytes += want
-            elif self._bufs:
-                # Full: replace a free buffer of another size (chunks of files cut elsewhere), if any.
-                for i in range(len(bufs)):
-                    if _refs(bufs, i) == self._idle and self._bytes - len(bufs[i]) + want <= self.max_bytes:
-                        self._bytes += want - len(bufs[i])
-                        bufs[i] = buf
-                        break
             return buf
+
+    def trim(self) -> int:
+        """Free every buffer nobody holds (the daemon calls it once reads have stopped for a while);
+        the bytes freed."""
+        with self._lock:
+            return self._trim(self.max_bytes)
+
+    def _trim(self, need: int) -> int:
+        """Free idle buffers until `need` more bytes fit under max_bytes (all of them for max_bytes)."""
+        freed = 0
+        for bufs in self._classes.values():
+            i = 0
+            while i < len(bufs) and self._bytes + need > self.max_bytes:
+                if _refs(bufs, i) == self._idle:
+                    n = len(bufs.pop(i))
+                    self._bytes -= n
+                    freed += n
+                else:
+                    i += 1
+        return freed
 
     def clear(self) -> None:
         """Forget every buffer (those in use are freed when their holders let go)."""
         with self._lock:
-            self._bufs.clear()
+            self._classes.clear()
             self._bytes = 0
 
 

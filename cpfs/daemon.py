@@ -23,6 +23,8 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from . import buffers
+from . import chunk as chunkfmt
 from .cache import ChunkCache
 from .catalog import Catalog
 from .config import Config, staging_dir
@@ -71,25 +73,78 @@ def _set_kernel_readahead(mountpoint: Path, kb: int) -> None:
         log.info("could not set %s: %s (kernel default readahead stays)", path, e.strerror)
 
 
+class _Piece:
+    """One page-cache push: where, what, and how it went."""
+    __slots__ = ("inode", "offset", "data", "taken", "done", "error")
+
+    def __init__(self, inode: int, offset: int, data: bytes | memoryview) -> None:
+        self.inode, self.offset, self.data = inode, offset, data
+        self.taken = False                  # a thread call has it
+        self.done = trio.Event()
+        self.error: OSError | None = None
+
+
+def _store_pieces(pieces: list[_Piece]) -> None:
+    """notify_store every piece, in a worker thread; each keeps its own error."""
+    for p in pieces:
+        try:
+            pyfuse3.notify_store(p.inode, p.offset, p.data)
+        except OSError as e:
+            p.error = e
+
+
 def make_pusher(limiter: trio.CapacityLimiter):
     """An on_chunk callback that stores chunks in the kernel page cache from a worker thread.
-    Never from the event loop: the kernel may wait for a page lock that one of our replies releases."""
+    Never from the event loop: the kernel may wait for a page lock that one of our replies releases.
+    Pushes that come while the threads are busy go together in the next thread call (a chunk's
+    interior and the pages it completes, the chunks that landed meanwhile): one hand-off for many."""
     disabled = False
+    pending: list[_Piece] = []
 
-    async def push(inode: int, offset: int, data: bytes) -> None:
+    async def push(inode: int, offset: int, data: bytes | memoryview) -> None:
         nonlocal disabled
         if disabled:
             return
+        piece = _Piece(inode, offset, data)
+        pending.append(piece)
         try:
-            await trio.to_thread.run_sync(pyfuse3.notify_store, inode, offset, data, limiter=limiter)
-        except OSError as e:
-            if e.errno == errno.ENOSYS:
-                disabled = True
-                log.warning("kernel does not support notify_store; page cache push disabled")
-                return
+            async with limiter:
+                if not piece.taken:
+                    batch = pending[:]
+                    pending.clear()
+                    for p in batch:
+                        p.taken = True
+                    try:
+                        await trio.to_thread.run_sync(_store_pieces, batch)
+                    finally:
+                        for p in batch:
+                            p.done.set()
+        except BaseException:
+            if not piece.taken:
+                pending.remove(piece)
             raise
+        await piece.done.wait()
+        if piece.error is not None:
+            if piece.error.errno == errno.ENOSYS:
+                if not disabled:
+                    log.warning("kernel does not support notify_store; page cache push disabled")
+                disabled = True
+                return
+            raise piece.error
 
     return push
+
+
+async def trim_read_buffers(interval: float = 5.0) -> None:
+    """Free the read buffers nobody holds (cpfs/buffers.py) once no chunk was read for `interval` s:
+    a load reuses them, an idle daemon gives the memory back."""
+    seen = -1
+    while True:
+        await trio.sleep(interval)
+        st = buffers.POOL.statistics()
+        if st.reused + st.allocated == seen and st.bytes:
+            buffers.POOL.trim()
+        seen = st.reused + st.allocated
 
 
 async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
@@ -100,6 +155,10 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     manifests = await catalog.load_all()
     log.info("%d files in %d stores", len(manifests), len(pool.names))
     cache = ChunkCache(config.cache_memory)
+    # Read buffers for what readahead may hold at once (its window, the fetches in flight), in their
+    # size classes; within half the cache budget, which counts the same bytes while they are cached.
+    buffers.POOL.max_bytes = min(config.cache_memory // 2, config.readahead_max * 5 // 4 + config.fetch_concurrency
+                                 * buffers.size_class(config.chunk_size + chunkfmt.HEADER_SIZE))
     pusher = make_pusher(trio.CapacityLimiter(2)) if config.notify_store else None
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher)
     staging = await trio.to_thread.run_sync(prepare_staging, config)
@@ -132,12 +191,14 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             await n.start(pool.run)          # store health: probes stores marked down until they answer
             n.start_soon(announce)
             n.start_soon(on_signal)
+            n.start_soon(trim_read_buffers)
             await pyfuse3.main(min_tasks=4, max_tasks=config.max_tasks)
             n.cancel_scope.cancel()
     finally:
         pyfuse3.close(unmount=True)
         remove_staging(staging)
-        log.info("unmounted %s; cache %s; scheduler %s", mountpoint, cache.statistics(), sched.statistics())
+        log.info("unmounted %s; cache %s; scheduler %s; read buffers %s", mountpoint, cache.statistics(),
+                 sched.statistics(), buffers.POOL.statistics())
 
 
 # Staging. The staging folder may be shared (/scratch, a folder beside other tools' data): cpfs works in

@@ -117,3 +117,47 @@ async def test_demand_reads_work_even_when_budget_is_tiny(budget):
     cache = ChunkCache(budget=budget)
     assert await cache.get("a", 100, loader_for(b"a" * 100, [], "a")) == b"a" * 100
     assert cache.statistics().used == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# read buffers (cpfs/buffers.py): what the cache holds of a raw chunk is a view of one
+
+def test_a_read_buffer_is_reused_only_once_nothing_refers_to_it():
+    from cpfs.buffers import PAGE, BufferPool, size_class
+
+    pool = BufferPool(max_bytes=64 * PAGE)
+    a = pool.take(5000)
+    view = memoryview(a)[10:20]            # a cached chunk is a view of its buffer
+    del a
+    b = pool.take(5000)
+    assert b is not view.obj, "a buffer a view still refers to was handed out again"
+    b[:4] = b"beef"
+    del view
+    c = pool.take(5000)                    # the first buffer is free now: reused, not a new one
+    assert c is not b and pool.statistics().reused == 1
+    assert len(pool.take(3 * PAGE + 1)) == size_class(3 * PAGE + 1) == 4 * PAGE
+    del b, c
+    assert pool.trim() > 0 and pool.statistics().bytes == 0
+
+
+def test_size_classes_waste_at_most_a_quarter():
+    from cpfs.buffers import PAGE, size_class
+
+    for size in [1, PAGE, PAGE + 1, 40_000, 512 * 1024, 700_000, 4 * 1024**2 + 32, 7 * 1024**2 + 5]:
+        c = size_class(size)
+        assert c % PAGE == 0 and c >= size and (c <= 1.25 * size or c <= 4 * PAGE)
+
+
+async def test_folder_store_get_with_reads_what_get_reads_and_views_stay_intact(tmp_path):
+    from cpfs.store.directory import DirectoryStore
+
+    store = DirectoryStore("d", tmp_path / "s")
+    blobs = {f"k/{i}": bytes([i]) * (100_000 + 4097 * i) for i in range(6)}
+    for k, v in blobs.items():
+        await store.put(k, v)
+    limiter = trio.CapacityLimiter(2)
+    held = [(k, await store.get_with(k, lambda data: data, limiter)) for k in blobs]   # views, kept
+    for k, v in blobs.items():              # more reads: none may land in a buffer still held above
+        assert bytes(await store.get_with(k, lambda data: data, limiter)) == v == await store.get(k)
+    for k, view in held:
+        assert bytes(view) == blobs[k]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from ..buffers import POOL
+from ..buffers import PAGE, POOL
 from ..errors import NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
 from .base import Capacity, ObjectInfo, Store
 
@@ -174,11 +174,12 @@ class DirectoryStore(Store):
             return self._no_direct(path, e)
         try:
             size = os.fstat(fd).st_size
-            view = memoryview(POOL.take(size))        # whole pages: an O_DIRECT read may ask for them all
+            view = memoryview(POOL.take(size))
+            end = -(-size // PAGE) * PAGE             # whole pages: what an O_DIRECT read may ask for
             got = 0
             try:
                 while got < size:
-                    n = os.preadv(fd, [view[got:]], got)
+                    n = os.preadv(fd, [view[got:end]], got)
                     if not n:
                         break
                     got += n
