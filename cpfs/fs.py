@@ -11,6 +11,14 @@ A file opened for writing gets one WriteSession, shared by all its writable hand
 close) and fsync commit it, so close() returns only once the new version is durable. A failed commit is
 reported to that close() and never retried behind the writer's back; the kernel's pages of the
 uncommitted bytes are dropped when the session ends.
+
+Owner, group, mode, times and `user.` extended attributes are stored in each version's summary
+(cpfs/manifest.py). chmod, chown, utimensat and setxattr commit a new version with the same chunks (a
+file open for writing here takes them into its next commit instead); the kernel enforces the
+permissions itself (`default_permissions`), so no handler checks them. Versions from before ownership
+was stored show the mounting user. The root folder's attributes are this mount's own (never committed),
+and a folder's mtime and ctime also follow the names this mount adds and removes in it (not committed:
+another mount shows the folder's committed times).
 """
 from __future__ import annotations
 
@@ -36,14 +44,32 @@ import trio
 from . import stats
 from .catalog import Catalog, Unreadable
 from .config import Config
-from .errors import CpfsError, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
-from .manifest import Manifest, Summary, parent_dirs
+from .errors import CpfsError, Exists, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
+from .manifest import (XATTR_NAME_MAX, XATTR_NAMESPACE, XATTR_SIZE_MAX, Manifest, Summary, check_xattrs,
+                       parent_dirs)
 from .namespace import Namespace, Node
 from .readahead import FileReader, Scheduler
+from .store.base import Capacity
 from .writer import WriteSession
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+_SPECIAL_MODES = {"fifo": stat.S_IFIFO, "socket": stat.S_IFSOCK, "char": stat.S_IFCHR, "block": stat.S_IFBLK}
+NAME_MAX = 255                   # bytes of one name (statfs f_namemax; longer: ENAMETOOLONG)
+UNKNOWN_CAPACITY = 2**50         # statfs total when no store reports a capacity (S3 only): 1 PiB
+STATFS_BLOCK = 4096
+
+
+def mount_options(config: Config) -> set[str]:
+    """The FUSE options these semantics need: the kernel checks permissions against the stored owner,
+    group and mode (default_permissions); other users reach the mount only with [mount] allow_other."""
+    return {"default_permissions"} | ({"allow_other"} if config.allow_other else set())
+
+
+def _name(name: bytes) -> str:
+    if len(name) > NAME_MAX:
+        raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
+    return os.fsdecode(name)
 
 
 def boundary(fn: F) -> F:
@@ -58,6 +84,9 @@ def boundary(fn: F) -> F:
         except NotFound as e:
             log.debug("%s: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(errno.ENOENT) from None
+        except (Exists, IsADirectory, NotADirectory, NotEmpty) as e:    # the caller's to handle
+            log.debug("%s: %s", fn.__name__, e)
+            raise pyfuse3.FUSEError(e.errno) from None
         except CpfsError as e:
             log.error("%s failed: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(e.errno) from None
@@ -108,6 +137,11 @@ class CpfsOperations(pyfuse3.Operations):
         self._control = Node(stats.CONTROL_INO, "/" + stats.CONTROL_NAME, False)
         self._busy_paths: list[str] = []          # paths this mount is changing the manifests of
         self._touched: set[str] | None = None     # paths changed here while the stores are listed
+        self._capacity: tuple[float, Capacity | None] | None = None   # (when asked, answer) for statfs
+        now = time.time_ns()
+        root = self.ns.node(pyfuse3.ROOT_INODE)   # attributes of this mount's own (see the module doc)
+        root.summary = Summary(path="/", size=0, mtime_ns=now, mode=0o755, version=0, directory=True,
+                               uid=self._uid, gid=self._gid, atime_ns=now, ctime_ns=now)
 
     # -- attributes and names ---------------------------------------------------------------------
     def attributes(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -117,34 +151,64 @@ class CpfsOperations(pyfuse3.Operations):
         a.st_ino = node.ino
         a.generation = 0
         a.entry_timeout = a.attr_timeout = self.config.entry_timeout
-        a.st_uid, a.st_gid = self._uid, self._gid
         a.st_blksize = 1024 * 1024
+        m = node.summary
         w = self.writing.get(node.ino)
-        if not node.is_dir and node.summary is None and not node.broken:
+        a.st_uid = m.uid if m is not None and m.uid is not None else self._uid
+        a.st_gid = m.gid if m is not None and m.gid is not None else self._gid
+        a.st_nlink = 1
+        a.st_size = 0
+        mtime = m.mtime_ns if m is not None else 0
+        ctime = m.ctime_ns if m is not None and m.ctime_ns is not None else mtime
+        atime = m.atime_ns if m is not None and m.atime_ns is not None else mtime
+        if not node.is_dir and m is None and not node.broken:
             a.entry_timeout = 0     # not committed yet: the name may go (a failed first commit)
         if node.is_dir:
-            d = node.summary
-            a.st_mode = stat.S_IFDIR | (d.mode if d else 0o755)
-            a.st_nlink = 2
-            a.st_size = 0
-            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = d.mtime_ns if d else 0
+            a.st_mode = stat.S_IFDIR | (m.mode if m else 0o755)
+            a.st_nlink = 2 + sum(1 for c in node.children.values() if (n := self.ns.nodes.get(c)) and n.is_dir)
+            mtime, ctime = max(mtime, node.entries_changed_ns), max(ctime, node.entries_changed_ns)
         elif w is not None:
-            a.st_mode = stat.S_IFREG | w.session.mode
-            a.st_nlink = 1
-            a.st_size = w.session.size
-            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = time.time_ns()
+            s = w.session
+            a.st_mode = stat.S_IFREG | s.mode
+            if s.attributes.get("uid") is not None:
+                a.st_uid = s.attributes["uid"]
+            if s.attributes.get("gid") is not None:
+                a.st_gid = s.attributes["gid"]
+            a.st_size = s.size
+            mtime, ctime = s.mtime_ns, time.time_ns()
+            atime = s.attributes.get("atime_ns") or mtime
             a.attr_timeout = 0
         else:
-            m = node.summary
-            size = m.size if m else 0
             a.st_mode = stat.S_IFREG | ((m.mode if m else 0o644) & 0o7777)
-            if m is not None and m.symlink:
-                a.st_mode, size = stat.S_IFLNK | 0o777, len(os.fsencode(m.symlink))
-            a.st_nlink = 1
-            a.st_size = size
-            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = m.mtime_ns if m else time.time_ns()
+            if m is None:
+                mtime = ctime = atime = time.time_ns()
+            else:
+                a.st_size = m.size
+                if m.symlink:
+                    a.st_mode, a.st_size = stat.S_IFLNK | 0o777, len(os.fsencode(m.symlink))
+                elif m.special:
+                    a.st_mode = _SPECIAL_MODES[m.special] | (m.mode & 0o7777)
+                    a.st_rdev = m.rdev
+        a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns = atime, mtime, ctime
+        if not self.ns.is_current(node):
+            a.st_nlink = 0          # unlinked (or replaced) while open: no name leads to this inode
         a.st_blocks = (a.st_size + 511) // 512
         return a
+
+    def _owner(self, parent: Node, ctx: pyfuse3.RequestContext) -> dict[str, int]:
+        """Owner and group of a new name: the caller's; the group is the folder's if the folder has the
+        set-group-ID bit (as on Linux; a new folder then inherits the bit, see _create_committed)."""
+        p = parent.summary
+        if p is not None and p.mode & stat.S_ISGID:
+            return {"uid": ctx.uid, "gid": p.gid if p.gid is not None else self._gid}
+        return {"uid": ctx.uid, "gid": ctx.gid}
+
+    def _entries_changed(self, *folders: Node) -> None:
+        """A name was added or removed in these folders: their mtime and ctime in this mount (the
+        kernel drops its attributes of the folder itself after such a request)."""
+        now = time.time_ns()
+        for f in folders:
+            f.entries_changed_ns = now
 
     @contextlib.contextmanager
     def _changing(self, *paths: str) -> Iterator[None]:
@@ -195,6 +259,7 @@ class CpfsOperations(pyfuse3.Operations):
             if node.is_dir:
                 if not isinstance(m, Unreadable) and m.directory and _newer(m, node):
                     node.set_version(m)         # a folder is a folder: same inode, new attributes
+                    self._invalidate(node.ino)  # the kernel checks permissions on its cached ones
                 continue
             if node.ino in self.writing:
                 continue
@@ -259,14 +324,15 @@ class CpfsOperations(pyfuse3.Operations):
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if parent_inode == pyfuse3.ROOT_INODE and name == stats.CONTROL_NAME.encode():
             return self._control_attributes()
+        text = _name(name)
         try:
-            node = self.ns.lookup(parent_inode, os.fsdecode(name))
+            node = self.ns.lookup(parent_inode, text)
         except NotFound:
             await self._refresh()
             try:
-                node = self.ns.lookup(parent_inode, os.fsdecode(name))
+                node = self.ns.lookup(parent_inode, text)
             except NotFound:
-                node = await self._lookup_committed(parent_inode, os.fsdecode(name))
+                node = await self._lookup_committed(parent_inode, text)
         return self.attributes(node)
 
     async def _lookup_committed(self, parent_inode: int, name: str) -> Node:
@@ -326,14 +392,23 @@ class CpfsOperations(pyfuse3.Operations):
 
     @boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        """The space a user can still fill: the stores' capacity as StorePool.capacity counts it (each
+        byte goes to `replicas` stores), asked at most every `refresh`. With no store reporting one (S3
+        only) the total is UNKNOWN_CAPACITY (1 PiB), free that less what the files here hold."""
+        now = trio.current_time()
+        if self._capacity is None or now - self._capacity[0] >= self.config.refresh:
+            self._capacity = (now, await self.catalog.pool.capacity())
+        cap = self._capacity[1]
+        if cap is None:
+            used = sum(n.summary.size for n in self.ns.nodes.values() if n.summary is not None)
+            cap = Capacity(total=UNKNOWN_CAPACITY, free=max(0, UNKNOWN_CAPACITY - used))
         s = pyfuse3.StatvfsData()
-        used = sum(n.summary.size for n in self.ns.nodes.values() if n.summary is not None)
-        s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = used // 4096 + 1
-        s.f_bfree = s.f_bavail = 1 << 40        # the stores' space is not known here
+        s.f_bsize = s.f_frsize = STATFS_BLOCK
+        s.f_blocks = cap.total // STATFS_BLOCK
+        s.f_bfree = s.f_bavail = cap.free // STATFS_BLOCK
         s.f_files = len(self.ns.nodes)
         s.f_ffree = s.f_favail = 1 << 32
-        s.f_namemax = 255
+        s.f_namemax = NAME_MAX
         return s
 
     # -- reading ----------------------------------------------------------------------------------
@@ -367,6 +442,9 @@ class CpfsOperations(pyfuse3.Operations):
                                    (node.summary.mode if node.summary else 0o644),
                                    nursery=self.nursery, upload_limiter=self._upload_slots,
                                    io_limiter=self._staging_io, replaces_checkpoint=replaces_checkpoint)
+            if node.summary is not None:     # the next commit keeps owner, atime and xattrs
+                m = node.summary
+                session.attributes.update(uid=m.uid, gid=m.gid, atime_ns=m.atime_ns, xattrs=m.xattrs)
             w = self.writing[node.ino] = Writing(session)
         elif truncate:
             await w.session.truncate(0)
@@ -420,12 +498,15 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        node = self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=False)
+        parent = self.ns.node(parent_inode)
+        node = self.ns.create(parent, _name(name), is_dir=False)
         try:
             w = await self._session(node, truncate=True, mode=mode & 0o7777)
         except BaseException:
             self.ns.remove(node)
             raise
+        w.session.set_attributes(**self._owner(parent, ctx))
+        self._entries_changed(parent)
         w.handles += 1
         fh = self._new_handle(Handle(node, writable=True))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self.attributes(node)
@@ -493,30 +574,62 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                       fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        """chmod, chown, utimensat (UTIME_NOW arrives as the time now, UTIME_OMIT as no field) and
+        truncate. The kernel has checked who may (default_permissions) and sends the clearing of
+        set-user-ID and set-group-ID bits as a mode change."""
         node = self.ns.node(inode)
-        if node.is_dir:
-            return self.attributes(node)
-        w = self.writing.get(inode)
+        changes: dict[str, Any] = {}
+        if fields.update_mode:
+            changes["mode"] = attr.st_mode & 0o7777
+        if fields.update_uid:
+            changes["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = attr.st_gid
+        if fields.update_atime:
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
         if fields.update_size:
+            if node.is_dir:
+                raise IsADirectory(f"{node.path}: is a folder")
+            changes.setdefault("mtime_ns", time.time_ns())
+            w = self.writing.get(inode)
             if w is None:          # truncate(2) on a closed file: a session of its own, committed now
                 w = await self._session(node, truncate=attr.st_size == 0, explicit=True)
                 try:
                     await w.session.truncate(attr.st_size)
+                    w.session.set_attributes(**changes)
                     await self._commit(node)
                 finally:
                     del self.writing[inode]
                     await w.session.aclose()
-                w = None
-            else:
-                await w.session.truncate(attr.st_size)
-        if fields.update_mode:
-            if w is not None:
-                w.session.mode = attr.st_mode & 0o7777
-            elif node.summary is not None:
-                await self._rewrite(node, mode=attr.st_mode & 0o7777)
-        if fields.update_mtime and w is None and node.summary is not None:
-            await self._rewrite(node, mtime_ns=attr.st_mtime_ns)
+                return self.attributes(node)
+            await w.session.truncate(attr.st_size)
+        if changes:
+            await self._change(node, **changes)
         return self.attributes(node)
+
+    async def _change(self, node: Node, **changes: Any) -> None:
+        """New attributes (mode, owner, times, xattrs) for a name: a new version with the same content,
+        committed now; a file open for writing here takes them into its next commit instead."""
+        now = time.time_ns()
+        w = self.writing.get(node.ino)
+        if w is not None:
+            w.session.set_attributes(**changes)
+        elif node.ino == pyfuse3.ROOT_INODE or (node.summary is not None and not self.ns.is_current(node)):
+            # The root (this mount's own), or a retired version (fchmod of a file removed or replaced
+            # since it was opened): shown to its handles, never committed over the path's new version.
+            assert node.summary is not None
+            node.summary = dataclasses.replace(node.summary, ctime_ns=now, **changes)
+        elif node.summary is not None:
+            await self._rewrite(node, ctime_ns=now, **changes)
+        elif node.is_dir:        # a folder implied by its files' paths: committed now, as mkdir does
+            first = Manifest(path=node.path, size=0, mtime_ns=now, mode=0o755, chunk_size=self.config.chunk_size,
+                             chunks=(), version=0, directory=True, uid=self._uid, gid=self._gid, ctime_ns=now)
+            with self._changing(node.path):
+                node.set_version(await self.catalog.commit(dataclasses.replace(first, **changes)))
+        else:
+            raise ManifestError(f"{node.path}: {node.broken or 'not committed'}")
 
     async def _rewrite(self, node: Node, **changes: Any) -> None:
         """A new version with other attributes and the same chunks."""
@@ -524,32 +637,93 @@ class CpfsOperations(pyfuse3.Operations):
         with self._changing(node.path):
             node.set_version(await self.catalog.commit(dataclasses.replace(m, **changes)))
 
+    # -- extended attributes ("user." only; stored in the summary, see cpfs/manifest.py) -------------
+    def _xattr_name(self, inode: int, name: bytes) -> str:
+        text = os.fsdecode(name)
+        if inode == stats.CONTROL_INO or not text.startswith(XATTR_NAMESPACE):
+            raise pyfuse3.FUSEError(errno.ENOTSUP)
+        if len(name) > XATTR_NAME_MAX:
+            raise pyfuse3.FUSEError(errno.ERANGE)
+        if text == XATTR_NAMESPACE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return text
+
+    def _xattrs(self, node: Node) -> dict[str, bytes]:
+        w = self.writing.get(node.ino)
+        if w is not None and "xattrs" in w.session.attributes:
+            return dict(w.session.attributes["xattrs"])   # type: ignore[call-overload]
+        return dict(node.summary.xattrs) if node.summary is not None else {}
+
+    @boundary
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        key = self._xattr_name(inode, name)
+        try:
+            return self._xattrs(self.ns.node(inode))[key]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ENODATA) from None
+
+    @boundary
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        if inode == stats.CONTROL_INO:
+            return []
+        return [os.fsencode(k) for k in sorted(self._xattrs(self.ns.node(inode)))]
+
+    @boundary
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        key = self._xattr_name(inode, name)
+        if len(value) > XATTR_SIZE_MAX:
+            raise pyfuse3.FUSEError(errno.E2BIG)
+        node = self.ns.node(inode)
+        xattrs = self._xattrs(node)
+        xattrs[key] = bytes(value)
+        try:
+            check_xattrs(xattrs.items())
+        except ValueError:
+            raise pyfuse3.FUSEError(errno.ENOSPC) from None    # as ext4 when a file's block is full
+        await self._change(node, xattrs=tuple(sorted(xattrs.items())))
+
+    @boundary
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        key = self._xattr_name(inode, name)
+        node = self.ns.node(inode)
+        xattrs = self._xattrs(node)
+        if xattrs.pop(key, None) is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        await self._change(node, xattrs=tuple(sorted(xattrs.items())))
+
     # -- names ------------------------------------------------------------------------------------
     @boundary
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         """A folder is committed like a file (a manifest with no chunks), so every mount sees it, empty
         or not."""
-        return await self._create_committed(parent_inode, name, is_dir=True, mode=mode & 0o7777, directory=True)
+        return await self._create_committed(parent_inode, name, ctx, is_dir=True, mode=mode & 0o7777,
+                                            directory=True)
 
-    async def _create_committed(self, parent_inode: int, name: bytes, *, is_dir: bool, mode: int,
-                                **kind: Any) -> pyfuse3.EntryAttributes:
+    async def _create_committed(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext, *,
+                                is_dir: bool, mode: int, **kind: Any) -> pyfuse3.EntryAttributes:
         """A new name whose first version (a folder, a symlink: no chunks) commits at once; the name
         goes again if the commit fails."""
-        node = self.ns.create(self.ns.node(parent_inode), os.fsdecode(name), is_dir=is_dir)
-        first = Manifest(path=node.path, size=0, mtime_ns=time.time_ns(), mode=mode,
-                         chunk_size=self.config.chunk_size, chunks=(), version=0, **kind)
+        parent = self.ns.node(parent_inode)
+        owner = self._owner(parent, ctx)
+        if is_dir and parent.summary is not None and parent.summary.mode & stat.S_ISGID:
+            mode |= stat.S_ISGID
+        node = self.ns.create(parent, _name(name), is_dir=is_dir)
+        now = time.time_ns()
+        first = Manifest(path=node.path, size=0, mtime_ns=now, mode=mode, chunk_size=self.config.chunk_size,
+                         chunks=(), version=0, ctime_ns=now, **owner, **kind)
         try:
             with self._changing(node.path):
                 node.set_version(await self.catalog.commit(first))
         except BaseException:
             self.ns.remove(node)
             raise
+        self._entries_changed(parent)
         return self.attributes(node)
 
     @boundary
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        node = self.ns.lookup(parent_inode, os.fsdecode(name))
+        node = self.ns.lookup(parent_inode, _name(name))
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
         with self._changing(node.path):
@@ -559,10 +733,11 @@ class CpfsOperations(pyfuse3.Operations):
             if w is not None:
                 w.unlinked = True            # open handles keep working; nothing is committed
             self.ns.remove(node)
+        self._entries_changed(self.ns.node(parent_inode))
 
     @boundary
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        node = self.ns.lookup(parent_inode, os.fsdecode(name))
+        node = self.ns.lookup(parent_inode, _name(name))
         if not node.is_dir:
             raise NotADirectory(f"{node.path}: not a folder")
         if node.children:
@@ -571,15 +746,16 @@ class CpfsOperations(pyfuse3.Operations):
             if node.summary is not None:
                 await self.catalog.remove(node.path)
             self.ns.remove(node)
+        self._entries_changed(self.ns.node(parent_inode))
 
     @boundary
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
                      flags: int, ctx: pyfuse3.RequestContext) -> None:
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise pyfuse3.FUSEError(errno.EINVAL)
-        node = self.ns.lookup(parent_inode_old, os.fsdecode(name_old))
+        node = self.ns.lookup(parent_inode_old, _name(name_old))
         new_parent = self.ns.node(parent_inode_new)
-        new_name = os.fsdecode(name_new)
+        new_name = _name(name_new)
         if not new_parent.is_dir:
             raise NotADirectory(f"{new_parent.path}: not a folder")
         target = new_parent.children.get(new_name)
@@ -602,10 +778,16 @@ class CpfsOperations(pyfuse3.Operations):
                 if w is not None:
                     w.unlinked = True        # open handles keep working; nothing is committed
                 self.ns.remove(t)
+            old_parent = self.ns.parent(node)
             self.ns.move(node, new_parent, new_name)
+            self._entries_changed(old_parent, new_parent)
+            now = time.time_ns()
             for f in self.ns.walk(node):        # committed folders move like files
                 if f.summary is not None:
-                    f.set_version(await self.catalog.move(await self._manifest(f), f.path))
+                    m = await self._manifest(f)
+                    if f is node:
+                        m = dataclasses.replace(m, ctime_ns=now)   # a rename changes the ctime, as on Linux
+                    f.set_version(await self.catalog.move(m, f.path))
                 w = self.writing.get(f.ino)
                 if w is not None:
                     w.session.path = f.path
@@ -619,7 +801,7 @@ class CpfsOperations(pyfuse3.Operations):
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         """A symbolic link is a version of its own: a manifest with a target and no chunks, committed
         at once (so every mount sees it), relative or absolute as given."""
-        return await self._create_committed(parent_inode, name, is_dir=False, mode=0o777,
+        return await self._create_committed(parent_inode, name, ctx, is_dir=False, mode=0o777,
                                             symlink=os.fsdecode(target))
 
     @boundary
@@ -629,11 +811,24 @@ class CpfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return os.fsencode(node.summary.symlink)
 
+    @boundary
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        """Fifos, sockets and device nodes are names with attributes and no content, committed at once
+        like symlinks; the kernel serves their opens itself (pipes, sockets, drivers: never this
+        filesystem; FUSE mounts are nodev, so a device node here opens nothing). A regular file made
+        by mknod is an empty file."""
+        kind = {v: k for k, v in _SPECIAL_MODES.items()}.get(stat.S_IFMT(mode))
+        if kind is None and stat.S_IFMT(mode) != stat.S_IFREG:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        special = {"special": kind, "rdev": rdev if kind in ("char", "block") else 0} if kind else {}
+        return await self._create_committed(parent_inode, name, ctx, is_dir=False, mode=mode & 0o7777, **special)
+
     async def _not_permitted(self, *args: Any) -> Any:
-        """Device nodes, fifos and hard links are not stored: EPERM, as filesystems without them say."""
+        """Hard links are not stored: EPERM, as filesystems without them say."""
         raise pyfuse3.FUSEError(errno.EPERM)
 
-    mknod = link = _not_permitted
+    link = _not_permitted
 
 
 def _newer(m: Summary | Unreadable, node: Node) -> bool:

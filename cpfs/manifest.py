@@ -6,11 +6,17 @@ from the set of manifests. Every commit is a new immutable document (see cpfs/ca
 a per-path counter, `writer` breaks ties between two commits of one version, and `state` says whether
 the version is a file ("ok"), a removal ("deleted") or a save that did not complete ("failed").
 
+Fields added later (owner, group, atime, ctime, `user.` extended attributes, mknod's kind and device)
+are optional: a manifest without them loads with defaults (cpfs/fs.py shows the mounting user, and
+mtime for the other times), and readers that predate them ignore them.
+
 Every field is checked on load, since a manifest comes from a store we do not control: a bad one must
 make its own file unreadable, never crash a listing of its neighbours (a size beyond 2**63 once did).
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import bisect
 import json
 import posixpath
@@ -32,6 +38,11 @@ _MAX_INT = 2**63 - 1               # what stat(2) and the kernel can carry
 _MAX_CHUNK = 1024**3               # far above the largest chunk_size (256 MiB) we cut
 _MAX_VERSION = 10**19              # fits the 20 digits of a manifest key
 _MAX_TEXT = 4096
+_MAX_ID = 2**32 - 2                # uid and gid (2**32 - 1 is "no change" to chown)
+XATTR_NAMESPACE = "user."          # the only extended attributes stored (others: ENOTSUP)
+XATTR_NAME_MAX = 255               # bytes of a name, as Linux (longer: ERANGE)
+XATTR_SIZE_MAX = 65536             # bytes of one value, as Linux (larger: E2BIG)
+XATTR_TOTAL_MAX = 4096             # names and values of one file together, as ext4's one block (ENOSPC)
 
 
 def normalize_path(path: str) -> str:
@@ -62,7 +73,10 @@ class ChunkEntry:
 
 
 _SUMMARY_KEYS = ("format", "path", "size", "mtime_ns", "mode", "version", "writer", "host", "committed_ns",
-                 "state", "reason", "symlink", "directory")
+                 "state", "reason", "symlink", "directory", "uid", "gid", "atime_ns", "ctime_ns", "xattrs",
+                 "special", "rdev")
+SPECIALS = ("fifo", "socket", "char", "block")   # mknod's kinds (no content: the kernel serves them)
+Xattrs = tuple[tuple[str, bytes], ...]     # (name, value), sorted by name
 SUMMARY_MAX = 16 * 1024      # a summary line is at most this long (path and reason are bounded)
 
 
@@ -85,6 +99,13 @@ class Summary:
     reason: str = ""
     symlink: str = ""              # the target, if this version is a symbolic link (then no chunks)
     directory: bool = False        # a folder made with mkdir (committed, so every mount sees it)
+    uid: int | None = None         # owner and group; None: not recorded (older manifests): the mount's user
+    gid: int | None = None
+    atime_ns: int | None = None    # None: not recorded: mtime_ns
+    ctime_ns: int | None = None    # None: not recorded: mtime_ns
+    xattrs: Xattrs = ()            # extended attributes ("user." names), at most XATTR_TOTAL_MAX bytes
+    special: str = ""              # a node made with mknod (one of SPECIALS): no chunks
+    rdev: int = 0                  # its device number (char and block)
     key: str = ""
     stores: tuple[str, ...] = ()
 
@@ -120,6 +141,13 @@ class Manifest:
     reason: str = ""               # why a version failed
     symlink: str = ""              # the target, as given, if this version is a symbolic link
     directory: bool = False        # a folder made with mkdir: no chunks
+    uid: int | None = None         # owner, group, times and extended attributes: see Summary
+    gid: int | None = None
+    atime_ns: int | None = None
+    ctime_ns: int | None = None
+    xattrs: Xattrs = ()
+    special: str = ""
+    rdev: int = 0
 
     @property
     def order(self) -> tuple[int, str]:
@@ -156,6 +184,15 @@ class Manifest:
     def to_bytes(self) -> bytes:
         """Two JSON lines: the summary (see Summary), then chunks and tensor index."""
         head = {k: getattr(self, k) for k in _SUMMARY_KEYS}
+        for k in ("uid", "gid", "atime_ns", "ctime_ns"):
+            if head[k] is None:
+                del head[k]          # not recorded: read back as None
+        for k in ("special", "rdev"):
+            if not head[k]:
+                del head[k]
+        head["xattrs"] = {name: base64.b64encode(value).decode() for name, value in self.xattrs}
+        if not head["xattrs"]:
+            del head["xattrs"]
         body = {"chunk_size": self.chunk_size,
                 "chunks": [[c.digest, c.raw_len, c.stored_len, c.codec, list(c.stores)] for c in self.chunks],
                 "tensor_index": self.tensor_index}
@@ -191,12 +228,10 @@ class Manifest:
                 chunks.append(ChunkEntry(digest, raw_len, stored_len, codec, tuple(stores)))
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where}: malformed manifest: {e!r:.300}") from None
-        m = cls(path=s.path, size=s.size, mtime_ns=s.mtime_ns, mode=s.mode, chunk_size=chunk_size,
-                chunks=tuple(chunks), version=s.version, tensor_index=doc.get("tensor_index"), format=FORMAT,
-                writer=s.writer, host=s.host, committed_ns=s.committed_ns, state=s.state, reason=s.reason,
-                symlink=s.symlink, directory=s.directory)
-        if (m.symlink or m.directory) and (m.chunks or m.size):
-            raise ManifestError(f"{where}: a symlink or folder has no chunks")
+        m = cls(chunk_size=chunk_size, chunks=tuple(chunks), tensor_index=doc.get("tensor_index"), format=FORMAT,
+                **{k: getattr(s, k) for k in _SUMMARY_KEYS if k != "format"})
+        if (m.symlink or m.directory or m.special) and (m.chunks or m.size):
+            raise ManifestError(f"{where}: a symlink, folder or special file has no chunks")
         if m.offsets[-1] != m.size:
             raise ManifestError(f"{where}: chunks add up to {m.offsets[-1]} bytes, size says {m.size}")
         if m.tensor_index is not None and not isinstance(m.tensor_index, dict):
@@ -229,15 +264,54 @@ def _parse_summary(doc: Any, where: str) -> Summary:
             raise ValueError("bad directory flag")
         if not _WRITER.fullmatch(writer):
             raise ValueError(f"bad writer id {writer!r:.40}")
+        special = doc.get("special", "")
+        if special and (special not in SPECIALS or directory or symlink):
+            raise ValueError(f"bad special kind {special!r:.40}")
+        owner = {k: _int(doc, k, 0, _MAX_ID) if doc.get(k) is not None else None for k in ("uid", "gid")}
+        times = {k: _int(doc, k, -_MAX_INT, _MAX_INT) if doc.get(k) is not None else None
+                 for k in ("atime_ns", "ctime_ns")}
         return Summary(path=normalize_path(doc["path"]), size=_int(doc, "size", 0, _MAX_INT),
                        mtime_ns=_int(doc, "mtime_ns", -_MAX_INT, _MAX_INT), mode=_int(doc, "mode", 0, 0o7777),
                        version=_int(doc, "version", 0, _MAX_VERSION), writer=writer, host=host,
                        committed_ns=_int(doc, "committed_ns", 0, _MAX_INT, default=0), state=state,
-                       reason=reason, symlink=symlink, directory=directory)
+                       reason=reason, symlink=symlink, directory=directory, xattrs=_xattrs(doc.get("xattrs", {})),
+                       special=special, rdev=_int(doc, "rdev", 0, _MAX_INT, default=0),
+                       **owner, **times)
     except ManifestError as e:    # the format check, or a bad path
         raise ManifestError(f"{where}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where}: malformed manifest: {e!r:.300}") from None
+
+
+def _xattrs(raw: Any) -> Xattrs:
+    """Extended attributes as stored: {name: base64 value}, within the limits above."""
+    if not isinstance(raw, dict):
+        raise TypeError("xattrs must be an object")
+    out = []
+    for name, value in raw.items():
+        if not isinstance(value, str):
+            raise TypeError(f"xattr {name!r:.60} must be base64 text")
+        try:
+            data = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"xattr {name!r:.60} is not base64") from None
+        out.append((name, data))
+    check_xattrs(out)
+    return tuple(sorted(out))
+
+
+def check_xattrs(xattrs: Any) -> None:
+    """ValueError unless every name is in the user namespace and the sizes are within the limits."""
+    total = 0
+    for name, value in xattrs:
+        if not (isinstance(name, str) and name.startswith(XATTR_NAMESPACE) and len(name) > len(XATTR_NAMESPACE)
+                and "\0" not in name and len(name.encode(errors="surrogateescape")) <= XATTR_NAME_MAX):
+            raise ValueError(f"bad xattr name {name!r:.60}")
+        if len(value) > XATTR_SIZE_MAX:
+            raise ValueError(f"xattr {name!r:.60}: value of {len(value)} bytes")
+        total += len(name.encode(errors="surrogateescape")) + len(value)
+    if total > XATTR_TOTAL_MAX:
+        raise ValueError(f"xattrs of {total} bytes, more than {XATTR_TOTAL_MAX}")
 
 
 def _int(doc: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:

@@ -37,6 +37,8 @@ class Node:
     manifest: Manifest | None = None          # its whole manifest, once fetched (see the module doc)
     children: dict[str, int] = field(default_factory=dict)
     broken: str = ""                          # why the current version cannot be read (open: EIO)
+    entries_changed_ns: int = 0               # a folder: when this mount last added or removed a name in it
+                                              # (its mtime and ctime show it; not committed, see cpfs/fs.py)
     _index: TensorIndex | None = None
 
     @property
