@@ -6,7 +6,8 @@ simulated latency: this measures CPU, not the network), then, per shape:
 - direct: torch.load cold (sync + drop_caches) and warm (second load) from local disk;
 - cpfs: a cold torch.load through a fresh mount, the daemon's CPU seconds (utime + stime of its pid, from
   /proc, before and after the load) per GiB; then warm loads on the same mount: torch.load, mmap=True
-  (load + first read of every tensor) and safetensors (safetensors.torch.load_file of the same tensors);
+  (load + first read of every tensor) and safetensors (safetensors.torch.load_file of the same tensors
+  + first read of every tensor);
 - passthrough: the same cold torch.load through benchmarks/passthrough.py serving the checkpoint's
   folder (the baseline peer: no cache, no prefetch, no checksums), its daemon's CPU seconds per GiB.
 Every timed load runs in a fresh python after writing and freeing twice the file's size of memory
@@ -121,6 +122,8 @@ def _child_st(path: str, cold: bool, touch: int) -> None:
     touch_memory(touch)
     t0 = time.perf_counter()
     sd = load_file(path)
+    for t in sd.values():      # load_file may map the file lazily: read every tensor once
+        t.clone()
     seconds = time.perf_counter() - t0
     print(json.dumps({"seconds": seconds, "tensors": len(sd), "note": note}))
 
@@ -171,7 +174,9 @@ class Profiler:
     def __init__(self, pid: int, out: Path) -> None:
         exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         self.out = out
-        self.proc = subprocess.Popen([exe, "record", "--nonblocking", "--threads", "--rate", "250", "-f", "raw",
+        # --gil: only the thread holding the GIL is sampled, i.e. Python code running, not threads
+        # waiting in a lock, a syscall or epoll (which py-spy would otherwise count as busy).
+        self.proc = subprocess.Popen([exe, "record", "--nonblocking", "--gil", "--threads", "--rate", "250", "-f", "raw",
                                       "-o", str(out), "-p", str(pid)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(1.0)
