@@ -367,3 +367,28 @@ async def test_pool_capacity_is_the_smallest_share_a_user_can_fill(tmp_path):
     cap = await DirectoryStore("d", tmp_path / "not-yet").capacity()
     disk = os.statvfs(tmp_path)
     assert cap.total == disk.f_blocks * disk.f_frsize and cap.shared == f"dev:{os.stat(tmp_path).st_dev}"
+
+
+@pytest.mark.mount
+@needs_root
+def test_cp_a_round_trip_keeps_owners_modes_times_xattrs_and_kinds(make_config, tmp_path, mount):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a").write_bytes(b"hi")
+    os.chown(src / "a", 1000, 1001)
+    os.chmod(src / "a", 0o640)
+    os.utime(src / "a", ns=(1_580_608_922_500_000_000, 1_580_608_922_500_000_001))
+    os.setxattr(src / "a", "user.k", b"v")
+    os.symlink("a", src / "lnk")
+    os.mkfifo(src / "ff")
+    os.chmod(src / "sub", 0o700)
+    m = mount(config(make_config, tmp_path))
+    back = tmp_path / "back"
+    subprocess.run(["cp", "-a", str(src), str(m.path / "copy")], check=True)
+    subprocess.run(["cp", "-a", str(m.path / "copy"), str(back)], check=True)
+    for name in ("a", "lnk", "ff", "sub"):
+        want, got = os.lstat(src / name), os.lstat(back / name)
+        assert (got.st_mode, got.st_uid, got.st_gid, got.st_mtime_ns) == \
+               (want.st_mode, want.st_uid, want.st_gid, want.st_mtime_ns), name
+    assert os.getxattr(back / "a", "user.k") == b"v" and (back / "a").read_bytes() == b"hi"
+    assert os.readlink(back / "lnk") == "a"
