@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 from .bench_load import DEST, checkpoint_for
-from .common import BenchError, ensure_imported, human, mounted, parse_size, print_table, remove_tree, timed_load
+from .common import (BenchError, ensure_imported, human, mount_stats, mounted, parse_size, print_table, remove_tree,
+                     timed_load)
 from .make_checkpoint import make_checkpoint
 
 CASES = {"3 healthy stores": "", "s0 at 20x latency (100 ms)": 'latency = "100ms"', "s0 hung": "hang = true"}
@@ -35,6 +36,16 @@ def write_config(folder: Path, s0_extra: str) -> Path:
     return path
 
 
+def replica_figures(doc: dict) -> str:
+    """What the pool did during one load: reads per store, hedges, fallbacks, stores marked down."""
+    r = doc["replicas"]
+    per_store = ", ".join(f"{s['name']} {s['requests']} ({s['bytes_read'] / 2**20:.0f} MiB)" for s in doc["stores"])
+    down = [h["name"] for h in doc["health"] if h["marked_down"]]
+    return (f"requests {per_store}; hedges {r['hedges_won']}/{r['hedges']} won"
+            f" (skipped {r['hedges_skipped']}); fallbacks {r['fallbacks']}"
+            + (f"; marked down: {', '.join(down)}" if down else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_straggler", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("512MiB"))
@@ -49,11 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         ensure_imported(ckpt, DEST, configs["3 healthy stores"])
         touch = 2 * ckpt.stat().st_size
         times: dict[str, list[float]] = {"direct from local disk": [], **{name: [] for name in CASES}}
-        for _ in range(args.repeat):
+        stats: dict[str, list[str]] = {name: [] for name in CASES}
+        for i in range(args.repeat):
             times["direct from local disk"].append(timed_load(ckpt, cold=True, touch=touch).seconds)
-            for name, cfg in configs.items():
+            # The cases in a rotated order each time: a slow spell of a shared machine does not always
+            # land on the same case.
+            order = list(configs.items())
+            for name, cfg in order[i % len(order):] + order[:i % len(order)]:
                 with mounted(cfg, work / "mnt", work / "mount.log") as m:
                     times[name].append(timed_load(m.path / DEST, cold=True, touch=touch).seconds)
+                    stats[name].append(replica_figures(mount_stats(m.path)))
         med = {k: statistics.median(v) for k, v in times.items()}
         healthy = med["3 healthy stores"]
         print(f"\n== {human(ckpt.stat().st_size)} checkpoint, cold torch.load, median of {args.repeat}; "
@@ -61,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         print_table(["load", "seconds", "vs healthy stores", "vs direct"],
                     [[k, f"{v:.2f}", f"{v / healthy:.2f}x", f"{v / med['direct from local disk']:.2f}x"]
                      for k, v in med.items()])
+        print("\nreplica reads per load (from the mount's .cpfs-stats): requests (MiB read) per store, hedges won/sent")
+        for name, lines in stats.items():
+            for i, line in enumerate(lines):
+                print(f"  {name} #{i + 1}: {line}")
         return 0
     except BenchError as e:
         print(f"bench_straggler: error: {e}", file=sys.stderr)

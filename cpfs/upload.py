@@ -3,6 +3,9 @@
 `cpfs put` (importer) and files written through the mount (writer) store chunks alike: read a span,
 hash and compress it in a thread (`encode_span`), then put it on the stores placement picks for its
 digest (`Uploader.store`), which reuses the good copies stores hold already (StorePool.store_chunk).
+With `write_quorum` < `replicas`, a chunk counts as stored once the quorum holds it: the pool completes
+the other copies in the background (bounded: a slow store makes uploads wait, not memory grow), and the
+entry names the stores that held it when it returned (readers find later copies through placement).
 Within one uploader a chunk is stored once: the same chunk again (zeros, shared tensors) joins the first
 upload (a SingleFlight) and reuses its result.
 `in_parallel` runs the spans of a file through a fixed set of workers.
@@ -59,8 +62,8 @@ class Uploader:
                            stored_bytes=self._stored)
 
     async def store(self, enc: chunkfmt.EncodedChunk) -> ChunkEntry:
-        """The chunk on write_quorum of its stores; raises the first StoreError below quorum (to every
-        caller that joined the same upload)."""
+        """The chunk on (at least) write_quorum of its stores; raises the first StoreError below quorum
+        (to every caller that joined the same upload)."""
         known = self._placed.get(enc.digest)
         if known is None:
             led = False
