@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(["load", "seconds", "vs healthy stores", "vs direct"],
                     [[k, f"{v:.2f}", f"{v / healthy:.2f}x", f"{v / med['direct from local disk']:.2f}x"]
                      for k, v in med.items()])
+        print("\neach load (s): " + "; ".join(f"{k} " + " ".join(f"{t:.2f}" for t in v) for k, v in times.items()))
         print("\nreplica reads per load (from the mount's .cpfs-stats): requests (MiB read) per store, hedges won/sent")
         for name, lines in stats.items():
             for i, line in enumerate(lines):
