@@ -11,7 +11,9 @@ simulated latency: this measures CPU, not the network), then, per shape:
 - passthrough: the same cold torch.load through benchmarks/passthrough.py serving the checkpoint's
   folder (the baseline peer: no cache, no prefetch, no checksums), its daemon's CPU seconds per GiB.
 Every timed load runs in a fresh python after writing and freeing twice the file's size of memory
-(benchmarks/common.py). With --profile DIR, a second cold load through a fresh mount per shape runs
+(benchmarks/common.py). The checkpoints and the stores are kept under demo-data/cpu (a second run
+builds and imports nothing). A warm row is flagged (NOTE) when the daemon worked during the warm
+loads: something dropped the kernel page cache meanwhile (drop_caches is machine-wide). With --profile DIR, a second cold load through a fresh mount per shape runs
 under `py-spy record --nonblocking` (outside the measured loads) and DIR gets one collapsed-stack file
 per shape, with a summary of the hottest frames printed.
 
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import (GiB, MiB, ROOT, BenchError, drop_caches, ensure_imported, human, is_mounted, mounted,
-                     parse_size, pid_alive, print_daemon_report, print_table, remove_tree, run_child, timed_load,
+                     parse_size, print_daemon_report, print_table, remove_tree, run_child, timed_load,
                      touch_memory)
 
 DATA = ROOT / "demo-data" / "cpu"
@@ -230,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[tuple[str, str], Result] = collections.defaultdict(Result)
     sizes: dict[str, int] = {}
     mismatches: list[str] = []
+    notes: list[str] = []
     mounts = []
     profiles: dict[str, Path] = {}
     try:
@@ -261,13 +264,22 @@ def run(args: argparse.Namespace) -> int:
                     results[(s, "cpfs cold")].seconds.append(r.seconds)
                     results[(s, "cpfs cold")].cpu.append(c1 - c0)
                     mismatches += [f"{s}: {k}" for k in d.fingerprints if d.fingerprints[k] != r.fingerprints.get(k)]
+                    c0 = cpu_seconds(m.pid)
                     results[(s, "cpfs warm")].seconds.append(timed_load(mp / mine, cold=False, touch=touch).seconds)
                     r = timed_load(mp / mine, cold=False, mmap=True, touch=touch, fingerprint=False)
                     results[(s, "cpfs warm mmap")].seconds.append(r.total_seconds)
+                    warm_cpu = cpu_seconds(m.pid) - c0
                     path = mp / f"bench/{st.name}"
                     st_load(path, cold=False, touch=touch)    # first read: fetched
+                    c0 = cpu_seconds(m.pid)
                     results[(s, "cpfs warm safetensors")].seconds.append(
                         st_load(path, cold=False, touch=touch)["seconds"])
+                    warm_cpu += cpu_seconds(m.pid) - c0
+                    if warm_cpu > 0.2 * sizes[s] / GiB:
+                        # Warm loads never reach the daemon unless the page cache lost the file.
+                        notes.append(f"round {rnd + 1} {s}: the daemon spent {warm_cpu:.2f} CPU-s during the "
+                                     f"warm loads: the kernel page cache was dropped meanwhile (another "
+                                     f"process's drop_caches?), so those warm rows include fetches")
                 # the naive pass-through peer
                 p = Passthrough(pt.parent, work / "pt-mnt")
                 try:
@@ -305,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
             remove_tree(work)
 
     report(results, sizes, args)
+    for n in notes:
+        print(f"NOTE: {n}")
     for s, path in profiles.items():
         print(f"\n== py-spy profile of the daemon, cold load of '{s}' ({path})")
         for line in summarize_profile(path):
