@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                     results[(s, "cpfs warm safetensors")].seconds.append(
                         st_load(path, cold=False, touch=touch)["seconds"])
                     warm_cpu += cpu_seconds(m.pid) - c0
-                    if warm_cpu > 0.2 * sizes[s] / GiB:
+                    if warm_cpu > 0.5 * results[(s, "cpfs cold")].cpu[-1]:
                         # Warm loads never reach the daemon unless the page cache lost the file.
                         notes.append(f"round {rnd + 1} {s}: the daemon spent {warm_cpu:.2f} CPU-s during the "
                                      f"warm loads: the kernel page cache was dropped meanwhile (another "

@@ -18,6 +18,8 @@ import signal
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyfuse3
@@ -84,55 +86,76 @@ class _Piece:
         self.error: OSError | None = None
 
 
-def _store_pieces(pieces: list[_Piece]) -> None:
+def _store_pieces(notify: Callable[[int, int, bytes | memoryview], None], pieces: list[_Piece]) -> None:
     """notify_store every piece, in a worker thread; each keeps its own error."""
     for p in pieces:
         try:
-            pyfuse3.notify_store(p.inode, p.offset, p.data)
+            notify(p.inode, p.offset, p.data)
         except OSError as e:
             p.error = e
 
 
-def make_pusher(limiter: trio.CapacityLimiter):
-    """An on_chunk callback that stores chunks in the kernel page cache from a worker thread.
-    Never from the event loop: the kernel may wait for a page lock that one of our replies releases.
-    Pushes that come while the threads are busy go together in the next thread call (a chunk's
-    interior and the pages it completes, the chunks that landed meanwhile): one hand-off for many."""
-    disabled = False
-    pending: list[_Piece] = []
+@dataclass(frozen=True)
+class PushStats:
+    pieces: int           # pushes asked for
+    thread_calls: int     # worker-thread calls that made them
+    failed: int           # pushes the kernel refused (the reader then reads through the daemon)
 
-    async def push(inode: int, offset: int, data: bytes | memoryview) -> None:
-        nonlocal disabled
-        if disabled:
+
+class Pusher:
+    """The on_chunk callback: stores chunks in the kernel page cache from a worker thread. Never from
+    the event loop: the kernel may wait for a page lock that one of our replies releases. Pushes that
+    come while the threads are busy go together in the next thread call (a chunk's interior and the
+    pages it completes, the chunks that landed meanwhile): one hand-off for many. `notify` is
+    pyfuse3.notify_store (tests pass a recorder). A kernel without notify_store disables it."""
+
+    def __init__(self, limiter: trio.CapacityLimiter,
+                 notify: Callable[[int, int, bytes | memoryview], None] = pyfuse3.notify_store) -> None:
+        self.limiter = limiter
+        self.notify = notify
+        self.disabled = False
+        self._pending: list[_Piece] = []
+        self._pieces = self._calls = self._failed = 0
+
+    def statistics(self) -> PushStats:
+        return PushStats(pieces=self._pieces, thread_calls=self._calls, failed=self._failed)
+
+    async def __call__(self, inode: int, offset: int, data: bytes | memoryview) -> None:
+        if self.disabled:
             return
         piece = _Piece(inode, offset, data)
-        pending.append(piece)
+        self._pieces += 1
+        self._pending.append(piece)
         try:
-            async with limiter:
+            async with self.limiter:
                 if not piece.taken:
-                    batch = pending[:]
-                    pending.clear()
+                    batch, self._pending = self._pending, []
                     for p in batch:
                         p.taken = True
+                    self._calls += 1
                     try:
-                        await trio.to_thread.run_sync(_store_pieces, batch)
+                        await trio.to_thread.run_sync(_store_pieces, self.notify, batch)
                     finally:
                         for p in batch:
                             p.done.set()
         except BaseException:
             if not piece.taken:
-                pending.remove(piece)
+                self._pending.remove(piece)
             raise
         await piece.done.wait()
         if piece.error is not None:
             if piece.error.errno == errno.ENOSYS:
-                if not disabled:
+                if not self.disabled:
                     log.warning("kernel does not support notify_store; page cache push disabled")
-                disabled = True
+                self.disabled = True
                 return
+            self._failed += 1
             raise piece.error
 
-    return push
+
+def make_pusher(limiter: trio.CapacityLimiter,
+                notify: Callable[[int, int, bytes | memoryview], None] = pyfuse3.notify_store) -> Pusher:
+    return Pusher(limiter, notify)
 
 
 async def trim_read_buffers(interval: float = 5.0) -> None:
@@ -197,8 +220,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     finally:
         pyfuse3.close(unmount=True)
         remove_staging(staging)
-        log.info("unmounted %s; cache %s; scheduler %s; read buffers %s", mountpoint, cache.statistics(),
-                 sched.statistics(), buffers.POOL.statistics())
+        log.info("unmounted %s; cache %s; scheduler %s; read buffers %s; page cache pushes %s", mountpoint,
+                 cache.statistics(), sched.statistics(), buffers.POOL.statistics(),
+                 pusher.statistics() if pusher else None)
 
 
 # Staging. The staging folder may be shared (/scratch, a folder beside other tools' data): cpfs works in

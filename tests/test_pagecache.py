@@ -73,3 +73,64 @@ async def test_straddling_page_waits_for_its_other_chunk():
         feeder.offer(n, i, data[m.offsets[i]:m.offsets[i + 1]])
     assert m.offsets[i] // PAGE * PAGE not in pushes        # its first page needs chunk i-1 too
     assert not feeder.holds(i)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the daemon's pusher: notify_store from worker threads, pushes that queue up sent in one thread call
+
+async def test_pushes_that_queue_up_go_in_one_thread_call_and_errors_reach_their_pusher():
+    import errno
+    import threading
+
+    import trio.testing
+
+    from cpfs.daemon import make_pusher
+
+    stored: list[int] = []
+    release = threading.Event()
+
+    def notify(inode: int, offset: int, data) -> None:
+        if offset == 0:
+            release.wait(10)              # the first push holds the only thread while the others queue
+        if offset == 3 * PAGE:
+            raise OSError(errno.EIO, "no")
+        stored.append(offset)
+
+    push = make_pusher(trio.CapacityLimiter(1), notify)
+    errors: list[tuple[int, int]] = []
+
+    async def one(offset: int) -> None:
+        try:
+            await push(1, offset, b"x" * PAGE)
+        except OSError as e:
+            errors.append((offset, e.errno))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(one, 0)
+        await trio.testing.wait_all_tasks_blocked()
+        for k in range(1, 5):
+            n.start_soon(one, k * PAGE)
+        await trio.testing.wait_all_tasks_blocked()
+        release.set()
+    # The first push went alone; the four that queued behind it in one call, each with its own outcome.
+    assert sorted(stored) == [0, PAGE, 2 * PAGE, 4 * PAGE]
+    assert errors == [(3 * PAGE, errno.EIO)]
+    assert push.statistics().pieces == 5 and push.statistics().thread_calls == 2
+    assert push.statistics().failed == 1
+
+
+async def test_a_kernel_without_notify_store_disables_the_pusher_quietly():
+    import errno
+
+    from cpfs.daemon import make_pusher
+
+    calls: list[int] = []
+
+    def notify(inode: int, offset: int, data) -> None:
+        calls.append(offset)
+        raise OSError(errno.ENOSYS, "not supported")
+
+    push = make_pusher(trio.CapacityLimiter(2), notify)
+    await push(1, 0, b"x")                # no error: the mount works without it
+    await push(1, PAGE, b"x")             # and no more thread calls
+    assert calls == [0]
