@@ -1,20 +1,48 @@
-"""The readahead scheduler: turns a reader's small reads into parallel batch fetches.
+"""The readahead scheduler: turns a reader's small reads into parallel batch fetches, and fetches what
+the reader will read, not the rest of the file.
 
-Per open file a `FileReader` watches the access pattern:
-- A file with a tensor index gets a *plan* at open: its chunks in the order a loader reads them (zip
-  directory, data.pkl, then the records in pickle order); prefetch starts at once with the full window.
-- Any other file is prefetched only once its reads look sequential, with a window that doubles, from
-  `readahead.initial` up to `readahead.max`, every time the reader consumes a prefetched chunk.
-- Every read fetches all the chunks it needs at once, and with a tensor index also the rest of every
-  tensor it touches, pinned, because the reader is about to read all of it.
-Prefetched chunks stay pinned in the cache until consumed (read past, or pushed to the kernel page cache
-by `on_chunk`), and a prefetch starts only if the window and the cache budget have room, so prefetch
-never evicts what the reader is about to read. Demand reads bypass the prefetch limiter, so they never
-queue behind prefetch. Closing the file cancels its prefetch.
+Per open file a `FileReader` follows what the reader does, along the file's *plan* (with a tensor index:
+the order a loader reads it, i.e. the zip directory and data.pkl, then the storages in pickle order; the
+safetensors header, then the tensors by name, as `safe_open().keys()` lists them; a safetensors file is
+also followed in file order, for `cat`). Without an index the plan is file order.
+- At open it prefetches only the *head*, what every loader reads first (zip directory, data.pkl and the
+  small records; the safetensors header). Nothing else moves until the reader asks; reads of the head
+  later say nothing about the reader.
+- A read that continues the last one along the plan (the next chunk, or the first one after what was
+  fetched ahead of it; a little behind counts too, as the kernel's readahead requests arrive out of
+  order) extends a *stream*: a window along the plan that grows with what the stream has read:
+  `readahead.initial` (at most two chunks from the head, one after a jump), then 1/4 of the run, up to
+  `readahead.max`. A reader that stops therefore leaves at most that or a quarter of what it read
+  fetched and unread. The window
+  crosses into the next tensor only once the reader has shown it reads whole tensors (it went on from
+  one tensor into the next beyond the kernel's readahead, or read a tensor of several chunks to its end).
+- A read that jumps ends the stream. If it covers a tensor's start (the kernel reads around a page
+  fault), the rest of that tensor is fetched at once, in parallel, unless the reader has shown that it
+  reads parts of tensors. A landing inside a tensor is judged by the next read: if that one goes on to
+  the next tensor's start, the landing was the kernel's read-around; if the reader jumps again, it reads
+  parts. Two landings at the same fraction of their tensors are slices: the matching slice of the next
+  few tensors (in loader order) is fetched ahead.
+- Whether the reader reads whole tensors is learnt from one chunk held back: prefetched chunks go to
+  the kernel page cache (`on_chunk`), after which the reader's reads of them never reach us. So the
+  last chunk of a tensor fetched at a landing, the chunk a quarter into a stream window and predicted
+  slice chunks are *held*: kept pinned in our cache and not pushed, so the reader's arrival there shows
+  (a reader that reads it reads whole tensors; one that jumps past it does not), and the stream advances
+  when the reader reaches a quarter of its window.
+Prefetched chunks stay pinned in the cache until consumed (read, passed by the stream, or pushed to the
+kernel), and a prefetch starts only if the window and the cache budget have room, so prefetch never
+evicts what the reader is about to read. Demand reads bypass the prefetch limiter, so they never queue
+behind prefetch. Closing the file cancels its prefetch.
+
+Each reader counts bytes read, bytes fetched for it, and prefetched bytes used and wasted (`FileStats`,
+in `Scheduler.statistics().files`, open files and the last closed ones). "Used" means read through the
+daemon or passed by a later read of the same stream; a prefetched chunk the kernel served that the reader
+then left behind without a later read counts as wasted, so the waste figure is an upper bound.
 """
 from __future__ import annotations
 
+import bisect
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -29,7 +57,27 @@ from .tensor_index import TensorIndex
 log = logging.getLogger(__name__)
 
 Fetch = Callable[[ChunkEntry, str], Awaitable[bytes]]
-SEQ_SLACK = 4 * 1024**2    # reads this far behind or ahead of the last one still count as sequential
+RECENT_FILES = 16          # closed files whose statistics stay visible
+SLICE_TOLERANCE = 0.01     # landings this close (as a fraction of their tensors) are the same slice
+SLICE_AHEAD = 4            # tensors whose predicted slice is fetched ahead
+FRONTIER_SCAN = 4096       # chunks a continuity check looks across at most
+PAGE = 4096
+
+
+@dataclass(frozen=True)
+class FileStats:
+    path: str
+    inode: int
+    open: bool
+    reads: int
+    read_bytes: int              # bytes the reader asked for (that reached the daemon)
+    fetched_bytes: int           # bytes of chunks fetched from the stores for this open file
+    demand_fetches: int          # chunk fetches a read of this file waited for
+    prefetched_bytes: int        # bytes of the prefetches this file started
+    prefetch_used_bytes: int     # ... later read, or passed by a later read of the same stream
+    prefetch_wasted_bytes: int   # ... never seen used by the time the file was closed
+    pattern: str                 # "stream", "tensors", "slices" or "unknown": what the reader looks like
+    window: int                  # the stream window now
 
 
 @dataclass(frozen=True)
@@ -43,19 +91,66 @@ class SchedulerStats:
     pushed: int              # chunks handed to the kernel page cache
     inflight: int            # chunk fetches in flight now
     peak_inflight: int       # most chunk fetches in flight at once
+    fetched_bytes: int = 0           # bytes of chunks fetched from the stores (demand and prefetch)
+    prefetched_bytes: int = 0
+    prefetch_used_bytes: int = 0     # of closed files (see FileStats)
+    prefetch_wasted_bytes: int = 0   # of closed files
+    files: tuple[FileStats, ...] = ()
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A span the loader reads as one piece: a torch storage record or a safetensors tensor."""
+    offset: int
+    length: int
+    first: int               # its first and last chunk
+    last: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    plan: tuple[int, ...]    # every chunk once, in loader order
+    head: tuple[int, ...]    # the chunks every loader reads first
+    units: tuple[Unit, ...]  # by file offset
+    loader_units: tuple[int, ...]   # indices into units, in loader order
+
+
+def layout_for(manifest: Manifest, index: TensorIndex | None) -> Layout:
+    """The plan, head and units of a file; without an index the plan is file order and there are none."""
+    n = len(manifest.chunks)
+    if index is None or not n:
+        return Layout(tuple(range(n)), (), (), ())
+    data = set(index.record_starts())
+    ordered = index.read_order()
+    head_ranges = [r for r in ordered if r[0] not in data]
+    if index.format == "safetensors":
+        spans = {(t.offset, t.length): t.name for t in index.tensors if t.length > 0}
+        loader = sorted(spans, key=lambda r: spans[r])
+    else:
+        loader = list(dict.fromkeys(r for r in ordered if r[0] in data))
+    by_offset = sorted(set(loader))
+    units = tuple(Unit(o, ln, manifest.chunk_at(o), manifest.chunk_at(min(o + ln, manifest.size) - 1))
+                  for o, ln in by_offset if o < manifest.size)
+    where = {(u.offset, u.length): k for k, u in enumerate(units)}
+    seen: dict[int, None] = {}
+    head: dict[int, None] = {}
+    for offset, length in head_ranges:
+        for i in manifest.chunk_range(offset, length):
+            head.setdefault(i, None)
+            seen.setdefault(i, None)
+    for r in loader:
+        for i in manifest.chunk_range(*r):
+            seen.setdefault(i, None)
+    for i in range(n):
+        seen.setdefault(i, None)
+    return Layout(tuple(seen), tuple(head), units, tuple(where[r] for r in loader if r in where))
 
 
 def plan_for(manifest: Manifest, index: TensorIndex | None) -> list[int] | None:
     """Chunk indices in the order a loader reads an indexed file; None without an index."""
     if index is None or not manifest.chunks:
         return None
-    seen: dict[int, None] = {}
-    for offset, length in index.read_order():
-        for i in manifest.chunk_range(offset, length):
-            seen.setdefault(i, None)
-    for i in range(len(manifest.chunks)):
-        seen.setdefault(i, None)
-    return list(seen)
+    return list(layout_for(manifest, index).plan)
 
 
 class Scheduler:
@@ -70,7 +165,10 @@ class Scheduler:
         self._open = self._reads = self._read_bytes = 0
         self._demand = self._prefetches = self._failures = 0
         self._inflight = self._peak = 0
+        self._fetched = self._prefetched = self._used = self._wasted = 0
         self._feeders: dict[tuple[int, int], PageFeeder] = {}
+        self._readers: set[FileReader] = set()
+        self._closed: deque[FileStats] = deque(maxlen=RECENT_FILES)
 
     def feeder(self, inode: int, manifest: Manifest) -> PageFeeder | None:
         """The page-cache feeder of this version of a file, shared by every open of it, so a second
@@ -84,8 +182,13 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStats:
         pushed = sum(f.pushes for f in self._feeders.values())
-        return SchedulerStats(self._open, self._reads, self._read_bytes, self._demand, self._prefetches,
-                              self._failures, pushed, self._inflight, self._peak)
+        files = tuple(r.statistics() for r in self._readers) + tuple(self._closed)
+        return SchedulerStats(
+            open_files=self._open, reads=self._reads, read_bytes=self._read_bytes, demand_fetches=self._demand,
+            prefetches=self._prefetches, prefetch_failures=self._failures, pushed=pushed,
+            inflight=self._inflight, peak_inflight=self._peak, fetched_bytes=self._fetched,
+            prefetched_bytes=self._prefetched, prefetch_used_bytes=self._used,
+            prefetch_wasted_bytes=self._wasted, files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
                    inode: int = 0) -> "FileReader":
@@ -95,19 +198,25 @@ class Scheduler:
         return reader
 
     async def get_chunk(self, manifest: Manifest, i: int, *, pin: bool = False, demand: bool = True,
-                        reserved: bool = False) -> bytes:
+                        reserved: bool = False, owner: "FileReader | None" = None) -> bytes:
         entry = manifest.chunks[i]
 
         async def load() -> bytes:        # only on a miss: hits cost a dict lookup, no formatting
             if demand:
                 self._demand += 1
+                if owner is not None:
+                    owner.demand += 1
             self._inflight += 1
             self._peak = max(self._peak, self._inflight)
             where = f"file {manifest.path} offset {manifest.offsets[i]} chunk {i} ({entry.digest[:16]})"
             try:
-                return await self.fetch(entry, where)
+                data = await self.fetch(entry, where)
             finally:
                 self._inflight -= 1
+            self._fetched += entry.raw_len
+            if owner is not None:
+                owner.fetched += entry.raw_len
+            return data
 
         return await self.cache.get(entry.digest, entry.raw_len, load, pin=pin, reserved=reserved)
 
@@ -119,61 +228,156 @@ class FileReader:
         self.index = index
         self.inode = inode
         cfg = sched.config
-        plan = plan_for(manifest, index)
-        self.planned = plan is not None
-        self.plan = plan if plan is not None else list(range(len(manifest.chunks)))
-        self.pos = {c: p for p, c in enumerate(self.plan)}
-        self.window = cfg.readahead_max if self.planned else 0
-        self.cursor = 0
-        self.max_end: int | None = None
-        self.ahead = 0                      # bytes prefetched (pinned or in flight) not yet consumed
+        self.layout = layout_for(manifest, index)
+        plan = list(self.layout.plan)
+        n = len(plan)
+        # A safetensors loader reads by name, `cat` in file order; a torch zip's plan is file order
+        # but for its head, so one order serves both there.
+        fmt = index.format if index is not None else None
+        self.orders: list[list[int]] = [plan, list(range(n))] if fmt == "safetensors" else [plan]
+        self.pos: list[list[int]] = []
+        self.pref: list[list[int]] = []          # bytes of the order's chunks before each position
+        for order in self.orders:
+            pos = [0] * n
+            pref = [0] * (n + 1)
+            for p, c in enumerate(order):
+                pos[c] = p
+                pref[p + 1] = pref[p] + manifest.chunks[c].raw_len
+            self.pos.append(pos)
+            self.pref.append(pref)
+        self._head = frozenset(self.layout.head)
+        self._unit_starts = [u.offset for u in self.layout.units]
+        self._loader_rank = {u: k for k, u in enumerate(self.layout.loader_units)}
+        self.initial = cfg.readahead_initial
+        self.slack = cfg.read_ahead_kb * 1024     # the kernel reads this far past what the reader touches
+        self.max_window = cfg.readahead_max
+        # the stream
+        self.k = 0                          # the order it runs along
+        self.last = -1                      # position (in order k) of the last chunk the reader read
+        self.last_chunk: int | None = None
+        self.run = 0                        # bytes the stream has covered
+        self.window = 0
+        self.cursor = 0                     # the next position the stream's prefetch looks at
+        self.limit = n                      # ... and where it stops
+        self.marker: int | None = None      # held chunk a quarter into the window
+        # what the reader looks like
+        self.whole: bool | None = None      # reads whole tensors?
+        self.batch_end: int | None = None   # held last chunk of the tensor fetched at a landing
+        self.slice_at: float | None = None  # where in its tensor the last landing fell
+        self.slice_len = 0.0                # how much of the tensor the last slice covered (a fraction)
+        self.slice_unit: Unit | None = None
+        self.sliced = False                 # two landings at the same fraction
+        self.prev_unit: Unit | None = None  # where the last read of the stream started
+        self.from_head = True               # the stream began at the head: no jump yet
+        self.mid: Unit | None = None        # the last landing fell inside this tensor, not yet judged
+        # chunks
         self.pinned: set[int] = set()
         self.inflight: set[int] = set()
+        self.held: set[int] = set()         # prefetched, pinned, not pushed to the kernel
+        self.pending: dict[int, int] = {}   # prefetched chunk -> bytes, not yet seen used
+        # counters
+        self.reads = self.read_bytes = self.fetched = self.demand = 0
+        self.prefetched = self.used = self.wasted = 0
         self.feeder = sched.feeder(inode, manifest)
         self.closed = False
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
 
+    def statistics(self) -> FileStats:
+        if self.window and self.last >= 0:
+            pattern = "stream"
+        elif self.sliced or self.whole is False:
+            pattern = "slices"
+        elif self.whole:
+            pattern = "tensors"
+        else:
+            pattern = "unknown"
+        return FileStats(path=self.m.path, inode=self.inode, open=not self.closed, reads=self.reads,
+                         read_bytes=self.read_bytes, fetched_bytes=self.fetched, demand_fetches=self.demand,
+                         prefetched_bytes=self.prefetched, prefetch_used_bytes=self.used,
+                         prefetch_wasted_bytes=self.wasted + (sum(self.pending.values()) if self.closed else 0),
+                         pattern=pattern, window=self.window)
+
     # -- the per-file task ----------------------------------------------------------------------
     async def _run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.sched._open += 1
+        self.sched._readers.add(self)
         try:
             with self._scope:
                 async with trio.open_nursery() as n:
                     self._nursery = n
                     task_status.started()
+                    self._prefetch_head()
                     while True:
                         self._fill()
                         await self._wake.wait()
                         self._wake = trio.Event()
         finally:
+            self.closed = True
             self.sched._open -= 1
             for i in self.pinned:
                 self.sched.cache.unpin(self.m.chunks[i].digest)
             self.pinned.clear()
+            self.held.clear()
+            wasted = sum(self.pending.values())
+            self.pending.clear()
+            self.wasted += wasted
+            self.sched._used += self.used
+            self.sched._wasted += self.wasted
+            self.sched._readers.discard(self)
+            self.sched._closed.append(self.statistics())
 
     def _kick(self) -> None:
         self._wake.set()
 
+    def _prefetch_head(self) -> None:
+        """What every loader reads first: fetched at open."""
+        for i in self.layout.head:
+            if not self._have(i):
+                if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
+                    break
+                self._start_prefetch(i)
+
     def _fill(self) -> None:
-        """Start prefetches along the plan while the window and the cache budget have room."""
-        while self.cursor < len(self.plan) and self.window > 0:
-            i = self.plan[self.cursor]
-            size = self.m.chunks[i].raw_len
+        """Start prefetches along the stream's order while the window and the cache budget have room."""
+        if self.window <= 0 or self._nursery is None:
+            return
+        order, pref = self.orders[self.k], self.pref[self.k]
+        base = pref[self.last + 1]
+        stop = min(self.limit, len(order))
+        cur = self.last_chunk
+        keep = self.m.chunks[cur].raw_len if cur is not None and cur not in self.pinned else 0
+        while self.cursor < stop:
+            i = order[self.cursor]
+            dist = pref[self.cursor + 1] - base
+            if dist > self.window and self.cursor > self.last + 1:
+                break
             if self._have(i):
                 self.cursor += 1
                 continue
-            if self.ahead + size > self.window or not self.sched.cache.reserve(size):
+            # Room is left for the chunk the reader is in, so prefetch never evicts it mid-read.
+            size = self.m.chunks[i].raw_len
+            if not self.sched.cache.room(size + keep) or not self.sched.cache.reserve(size):
                 break
-            self._start_prefetch(i)
+            # Held: the chunk a quarter into the window (the reader's arrival there moves the window),
+            # and, when the reader reads parts of tensors, the tensor's last (a whole-tensor reader shows).
+            hold = (self.marker is None and 4 * dist >= self.window) or (not self.whole and self.cursor == stop - 1)
+            self._start_prefetch(i, hold=hold)
+            if hold and self.marker is None:
+                self.marker = i
             self.cursor += 1
 
-    def _start_prefetch(self, i: int) -> None:
+    def _start_prefetch(self, i: int, hold: bool = False) -> None:
         assert self._nursery is not None
-        self.ahead += self.m.chunks[i].raw_len
+        size = self.m.chunks[i].raw_len
         self.inflight.add(i)
+        if hold:
+            self.held.add(i)
+        self.pending[i] = size
+        self.prefetched += size
         self.sched._prefetches += 1
+        self.sched._prefetched += size
         self._nursery.start_soon(self._prefetch, i)
 
     async def _prefetch(self, i: int) -> None:
@@ -187,23 +391,38 @@ class FileReader:
         try:
             if self._in_kernel(i):    # another open of the file fetched it while this one waited
                 self.sched.cache.release(size)
-                self.ahead -= size
+                self.pending.pop(i, None)
+                self.held.discard(i)
                 return
-            data = await self.sched.get_chunk(self.m, i, pin=True, demand=False, reserved=True)
+            data = await self.sched.get_chunk(self.m, i, pin=True, demand=False, reserved=True, owner=self)
         except Exception as e:                # logged by the store pool; a demand read will report it
             self.sched._failures += 1
             log.debug("prefetch of %s chunk %d failed: %s", self.m.path, i, e)
-            self.ahead -= size
+            self.pending.pop(i, None)
+            self.held.discard(i)
             return
         finally:
             self.sched.limiter.release()
             self.inflight.discard(i)
         self.pinned.add(i)
-        if self.feeder is not None:
-            # Consumed once the kernel has it: the reader will not ask us, and the window bounds
-            # what waits to be pushed.
-            self.feeder.offer(self._nursery, i, data, lambda: self._consume(i))
+        if i not in self.held:
+            self._push(i, data)
         self._kick()
+
+    def _push(self, i: int, data: bytes | memoryview) -> None:
+        if self.feeder is not None and self._nursery is not None:
+            # Consumed once the kernel has it: the reader will not ask us.
+            self.feeder.offer(self._nursery, i, data, lambda: self._unpin(i))
+
+    def _release_held(self, i: int) -> None:
+        """A held chunk the reader went past without reading: to the kernel after all (it is here)."""
+        self.held.discard(i)
+        if i in self.pinned:
+            data = self.sched.cache.peek(self.m.chunks[i].digest)
+            if data is not None and self.feeder is not None:
+                self._push(i, data)
+            else:
+                self._unpin(i)
 
     def _in_kernel(self, i: int) -> bool:
         return self.feeder is not None and i in self.feeder.sent
@@ -213,52 +432,212 @@ class FileReader:
         return (i in self.pinned or i in self.inflight or self._in_kernel(i)
                 or self.m.chunks[i].digest in self.sched.cache)
 
-    def _consume(self, i: int) -> None:
+    def _unpin(self, i: int) -> None:
         if i in self.pinned:
             self.pinned.discard(i)
-            self.ahead -= self.m.chunks[i].raw_len
             self.sched.cache.unpin(self.m.chunks[i].digest)
-            if not self.planned:
-                self.window = min(self.sched.config.readahead_max, max(self.sched.config.readahead_initial,
-                                                                      self.window * 2))
             self._kick()
 
-    # -- reads ------------------------------------------------------------------------------------
+    def _seen(self, i: int) -> None:
+        """The reader used chunk i."""
+        size = self.pending.pop(i, None)
+        if size is not None:
+            self.used += size
+
+    # -- the access pattern ---------------------------------------------------------------------
+    def _unit(self, offset: int) -> Unit | None:
+        k = bisect.bisect_right(self._unit_starts, offset) - 1
+        if k >= 0:
+            u = self.layout.units[k]
+            if offset < u.offset + u.length:
+                return u
+        return None
+
+    def _units_in(self, offset: int, end: int) -> list[Unit]:
+        k = max(0, bisect.bisect_right(self._unit_starts, offset) - 1)
+        out = []
+        while k < len(self.layout.units) and self.layout.units[k].offset < end:
+            u = self.layout.units[k]
+            if u.offset + u.length > offset:
+                out.append(u)
+            k += 1
+        return out
+
+    def _continues(self, chunks: range) -> tuple[int, int] | None:
+        """(order, previous position) if the read continues the last one along an order: it starts at
+        the reader's chunk, the next one, or just after what was fetched ahead of the reader there
+        (held chunks excepted: the reader shows up at them)."""
+        for k in sorted(range(len(self.orders)), key=lambda k: k != self.k):     # the stream's own first
+            order, pos = self.orders[k], self.pos[k]
+            q = pos[self.last_chunk] if self.last_chunk is not None else -1
+            p0 = min(pos[c] for c in chunks) if len(chunks) > 1 else pos[chunks[0]]
+            if p0 < q:
+                # A little behind the reader: the kernel's readahead requests arrive out of order.
+                if self.pref[k][q] - self.pref[k][p0] <= 2 * (self.slack + self.m.chunk_size):
+                    return k, q
+                continue
+            if p0 <= q + 1:
+                return k, q
+            f = q
+            while f + 1 < p0 and f - q < FRONTIER_SCAN and order[f + 1] not in self.held and self._have(order[f + 1]):
+                f += 1
+            if p0 <= f + 1:
+                return k, q
+        return None
+
     def _observe(self, offset: int, end: int, chunks: range) -> None:
-        """Update the access pattern after a read of [offset, end) over `chunks`."""
-        seq = (offset == 0 and self.max_end is None) or (
-            self.max_end is not None and self.max_end - SEQ_SLACK <= offset <= self.max_end + SEQ_SLACK)
-        self.max_end = end if self.max_end is None or not seq else max(self.max_end, end)
-        last_pos = self.pos[chunks[-1]]
-        if self.planned or seq:
-            # Everything earlier in the plan is behind the reader now; the last chunk once read to its end.
-            for i in [i for i in self.pinned if self.pos[i] < last_pos]:
-                self._consume(i)
-            if end >= self.m.offsets[chunks[-1] + 1]:
-                self._consume(chunks[-1])
-        if not self.planned:
-            if seq:
-                self.window = max(self.window, self.sched.config.readahead_initial)
-                self.cursor = max(self.cursor, last_pos + 1)
-            else:
-                for i in list(self.pinned):
-                    self._consume(i)
-                self.window = 0
-                self.cursor = last_pos + 1
+        """Update the access pattern with a read of [offset, end) over `chunks`, and start what it calls for."""
+        if self.reads == 0:
+            for i in self._head:                    # what every loader reads first (maybe from the kernel)
+                self._seen(i)
+        if chunks[0] in self._head and (end - offset <= self.slack or all(i in self._head for i in chunks)):
+            for i in chunks:                        # the loader's metadata: read at any time, says nothing
+                self._seen(i)
+            return
+        cont = self._continues(chunks)
+        if cont is not None:
+            k, q = cont
+            pos, order = self.pos[k], self.orders[k]
+            p1 = max(pos[c] for c in chunks)
+            if p1 <= q:
+                for i in chunks:
+                    self._seen(i)
+                self._read_to_end(offset, end, chunks)
+                return                              # not past the reader's furthest read: nothing new
+            before = self._unit(self.m.offsets[self.last_chunk]) if self.last_chunk is not None else None
+            if self.mid is not None:
+                starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
+                if starts:
+                    # The landing inside a tensor was the kernel reading around a fault at the next
+                    # tensor's start: this is the landing.
+                    self.mid = self.slice_unit = self.slice_at = None
+                    before = None
+                    if self.whole is not False:
+                        self._batch(starts[0], max(chunks[-1] + 1, starts[0].first))
+            if k != self.k:
+                self.k, self.run, self.cursor, self.marker = k, 0, p1 + 1, None
+            for p in range(q + 1, p1 + 1):          # passed: the reader has them
+                i = order[p]
+                self._seen(i)
+                if i not in self.held and self.feeder is None:
+                    self._unpin(i)
+            self.run += self.pref[k][p1 + 1] - self.pref[k][q + 1]
+            self.last, self.last_chunk = p1, order[p1]
+            now = self._unit(offset)
+            before = self.prev_unit if before is not None else None
+            if before is not None and now is not None and now != before and end > now.offset + self.slack:
+                self.whole = True                   # went on from one tensor into the next
+            self.prev_unit = now
+            self._read_to_end(offset, end, chunks)
+            u = self._unit(offset)                  # not where the kernel's readahead reached
+            # A reader that stops leaves at most the first window unread: two chunks at most.
+            # Two chunks for a stream from the head (a loader reading from the start), else one.
+            first = min(self.initial, (2 if self.from_head and self.whole is not False else 1) * self.m.chunk_size)
+            self.window = min(self.max_window, max(first, self.run // 4))
+            self.cursor = max(self.cursor, p1 + 1)
+            self.limit = len(order)
+            if not self.whole and u is not None:    # into the next tensor only for whole-tensor readers
+                self.limit = max(pos[u.first], pos[u.last]) + 1
+        else:
+            self._jump(offset, end, chunks)
+        if self.marker is not None and (self.marker in chunks or self.pos[self.k][self.marker] <= self.last):
+            self.marker = None
         self._kick()
 
-    def _tensor_batch(self, offset: int, size: int, chunks: range) -> None:
-        """Prefetch the rest of every tensor this read touches: the reader will want all of it."""
-        if self.index is None:
+    def _read_to_end(self, offset: int, end: int, chunks: range) -> None:
+        for t in self._units_in(offset, end):
+            if t.last in chunks and t.first != t.last and end >= t.offset + t.length and self.mid is None:
+                self.whole = True                   # read a tensor of several chunks to its end
+
+    def _jump(self, offset: int, end: int, chunks: range) -> None:
+        """The reader left the stream: judge what it skipped, then what its landing says."""
+        if self.batch_end is not None and self.batch_end not in chunks and self.batch_end in self.held:
+            self.whole = False                      # left a tensor fetched whole before its end
+        if self.mid is not None:
+            self.whole = False                      # read from inside a tensor, and left it
+            self.mid = None
+        if (self.marker is not None and self.marker in self.held and self.marker not in chunks
+                and self.last_chunk is not None and self._unit(self.m.offsets[self.marker]) is not None
+                and self._unit(self.m.offsets[self.marker]) == self._unit(self.m.offsets[self.last_chunk])):
+            self.whole = False                      # left a tensor it was streaming through before its end
+        if self.slice_unit is not None and self.last_chunk is not None:
+            u = self.slice_unit
+            reached = self.m.offsets[self.last_chunk + 1] if self.last_chunk < len(self.m.chunks) else u.offset
+            self.slice_len = max(0.0, min(1.0, (min(reached, u.offset + u.length) - u.offset) / u.length)
+                                 - (self.slice_at or 0.0))
+        here = self.pos[0][chunks[0]]
+        for i in [i for i in self.held if i == self.marker or i == self.batch_end or self.pos[0][i] <= here]:
+            if i not in chunks:
+                self._release_held(i)
+        self.marker = self.batch_end = None
+        self.k, self.run, self.window = 0, 0, 0
+        self.from_head = False
+        self.prev_unit = self._unit(offset)
+        self.last = max(self.pos[0][c] for c in chunks)
+        self.last_chunk = self.orders[0][self.last]
+        self.cursor = self.last + 1
+        self.limit = len(self.orders[0])
+        for i in chunks:
+            self._seen(i)
+        # A read that covers a tensor's start (the kernel reads around a page fault) lands at that start.
+        starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
+        u = starts[0] if starts else self._unit(offset)
+        if u is None:
             return
-        for t in self.index.tensors_overlapping(offset, size):
-            for i in self.m.chunk_range(t.offset, t.length):
-                if i in chunks or self._have(i):
+        if not starts and u.offset + u.length - end <= min(self.slack, u.length // 16):
+            # Ends just short of the next tensor: the kernel read around a fault at its start.
+            nxt = self._unit(u.offset + u.length)
+            if nxt is not None:
+                u, starts = nxt, [nxt]
+        if starts or chunks[0] == u.first or self._have(chunks[0] - 1):
+            # At the start of a tensor, or just after what is already here of it (the reader came
+            # through the kernel's copy): fetch the rest of it, unless the reader reads parts.
+            self.slice_unit = None
+            if self.whole is not False:
+                self._batch(u, max(chunks[-1] + 1, u.first))
+            return
+        # Inside a tensor: a slice, or the kernel reading around a fault at the next tensor's start
+        # (then the next read shows it). Two landings at the same fraction of their tensors: slices.
+        at = (offset - u.offset) / u.length
+        self.sliced = self.slice_at is not None and abs(at - self.slice_at) <= SLICE_TOLERANCE
+        self.slice_at, self.slice_unit = at, u
+        if self.sliced:
+            self.whole = False
+            self._predict(u, at)
+        else:
+            self.mid = u
+
+    def _batch(self, u: Unit, start: int) -> None:
+        """Fetch chunks [start, u.last] at once; the last one held."""
+        for i in range(start, u.last + 1):
+            if self._have(i):
+                continue
+            if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
+                return
+            hold = i == u.last
+            self._start_prefetch(i, hold=hold)
+            if hold:
+                self.batch_end = i
+
+    def _predict(self, u: Unit, at: float) -> None:
+        """The reader reads the slice starting `at` through each tensor: fetch that slice of the next
+        few tensors in loader order, its first chunk held (the landing shows)."""
+        rank = self._loader_rank.get(self.layout.units.index(u)) if u in self.layout.units else None
+        if rank is None:
+            return
+        ahead = self.layout.loader_units[rank + 1:rank + 1 + SLICE_AHEAD]
+        for k in ahead:
+            v = self.layout.units[k]
+            lo = v.offset + int(at * v.length)
+            hi = max(lo + 1, v.offset + int((at + self.slice_len) * v.length))
+            for j, i in enumerate(self.m.chunk_range(lo, min(hi, v.offset + v.length) - lo)):
+                if self._have(i):
                     continue
                 if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
                     return
-                self._start_prefetch(i)
+                self._start_prefetch(i, hold=j == 0)
 
+    # -- reads ------------------------------------------------------------------------------------
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         """Bytes [offset, offset+size), short at end of file."""
         if self.closed:
@@ -267,11 +646,11 @@ class FileReader:
         chunks = self.m.chunk_range(offset, size)
         if not chunks:
             return b""
-        self._tensor_batch(offset, size, chunks)
+        self._observe(offset, end, chunks)
         datas: list[bytes] = [b""] * len(chunks)
 
         async def one(k: int, i: int) -> None:
-            datas[k] = await self.sched.get_chunk(self.m, i)
+            datas[k] = await self.sched.get_chunk(self.m, i, owner=self)
             if self.feeder is not None:
                 self.feeder.offer(self._nursery, i, datas[k])
 
@@ -281,7 +660,16 @@ class FileReader:
             async with trio.open_nursery() as n:
                 for k, i in enumerate(chunks):
                     n.start_soon(one, k, i)
-        self._observe(offset, end, chunks)
+        for i in chunks:
+            if i in self.held:                  # read: the kernel has it now (offered above)
+                self.held.discard(i)
+                if i == self.batch_end:
+                    self.batch_end = None
+                self._unpin(i)
+            elif self.feeder is None and i in self.pinned and end >= self.m.offsets[i + 1]:
+                self._unpin(i)
+        self.reads += 1
+        self.read_bytes += end - offset
         self.sched._reads += 1
         self.sched._read_bytes += end - offset
         pieces = []

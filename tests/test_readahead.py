@@ -176,22 +176,167 @@ async def read_all_range(reader, off: int, length: int) -> bytes:
     return bytes(await reader.read(off, length))
 
 
-async def test_indexed_file_is_planned_in_loader_order_at_open(autojump_clock):
+class Kernel:
+    """The kernel page cache of one file: pushed and read pages are served without asking the daemon,
+    as a mounted file's are, so the scheduler sees only what a real reader would show it."""
+
+    PAGE = 4096
+
+    def __init__(self, size: int) -> None:
+        self.data = bytearray(size)
+        self.pages: set[int] = set()
+        self.size = size
+
+    def _mark(self, offset: int, n: int) -> None:
+        lo, hi = offset // self.PAGE, -(-(offset + n) // self.PAGE)
+        self.pages.update(p for p in range(lo, hi)
+                          if (p + 1) * self.PAGE <= offset + n or offset + n == self.size)
+
+    async def push(self, inode: int, offset: int, piece) -> None:
+        await trio.sleep(0)
+        self.data[offset:offset + len(piece)] = piece
+        lo = -(-offset // self.PAGE) * self.PAGE
+        self._mark(lo, max(0, offset + len(piece) - lo))
+
+    async def read(self, reader, offset: int, size: int) -> bytes:
+        size = min(size, self.size - offset)
+        if all(p in self.pages for p in range(offset // self.PAGE, -(-(offset + size) // self.PAGE))):
+            return bytes(self.data[offset:offset + size])
+        got = bytes(await reader.read(offset, size))
+        self.data[offset:offset + len(got)] = got
+        self._mark(offset, len(got))
+        return got
+
+
+def checkpoint(store: FakeStore, tensors: int = 8, per: int = 8) -> tuple[Manifest, bytes, TensorIndex]:
+    """A torch-zip-like file: data.pkl in chunk 0, `tensors` tensors of `per` chunks, the zip directory
+    in the last chunk; the tensors are read in file order."""
+    n = 2 + tensors * per
+    m, data = make_file(store, n)
+    ts = tuple(TensorEntry(f"t{k}", "float32", (per * CHUNK // 4,), (1,), str(k), (1 + k * per) * CHUNK, per * CHUNK)
+               for k in range(tensors))
+    records = (Record("archive/data.pkl", 0, CHUNK),) + tuple(
+        Record(f"archive/data/{k}", t.offset, t.length) for k, t in enumerate(ts))
+    index = TensorIndex("torch-zip", records, ts, file_size=n * CHUNK, directory_offset=(n - 1) * CHUNK)
+    return m, data, index
+
+
+def fetched(store: FakeStore, m: Manifest) -> list[int]:
+    """Chunk indices the store served, in order."""
+    where = {c.digest: i for i, c in enumerate(m.chunks)}
+    return [where[d] for _, ev, d in store.log if ev == "start"]
+
+
+async def test_open_fetches_only_the_head_and_a_reader_in_plan_order_gets_a_growing_window(autojump_clock):
     store = FakeStore(latency=0.008)
-    m, data = make_file(store, 32)
-    index = tensor_index(m)
+    m, data, index = checkpoint(store)
     plan = plan_for(m, index)
-    assert sorted(plan) == list(range(32))
-    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=64 * CHUNK))
+    assert plan[:2] == [len(m.chunks) - 1, 0] and sorted(plan) == list(range(len(m.chunks)))
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=16 * CHUNK), on_chunk=kernel.push)
     async with trio.open_nursery() as n:
         reader = await sched.open(n, m, index)
-        await trio.testing.wait_all_tasks_blocked()
-        assert store.inflight == 16             # the whole plan in flight, bounded by fetch concurrency
         await trio.sleep(1)
-        assert len(store.log) == 32             # the whole file arrived before the first read
-        assert await read_all(reader, m.size) == data
-        assert len(store.log) == 32
+        assert sorted(fetched(store, m)) == [0, len(m.chunks) - 1]     # the zip directory and data.pkl only
+        t0 = trio.current_time()
+        out = bytearray()
+        for off in range(0, m.size, 16 * 1024):
+            out += await kernel.read(reader, off, 16 * 1024)
+        elapsed = trio.current_time() - t0
+        windows = reader.window
         await reader.aclose()
+    assert bytes(out) == data
+    assert sorted(fetched(store, m)) == list(range(len(m.chunks)))      # each chunk once
+    serial = (len(m.chunks) - 2) * 0.008
+    print(f"plan-order read: {elapsed / serial:.2f} of serial, peak {store.peak}, window {windows // CHUNK} chunks, "
+          f"{sched.statistics().files}")
+    assert elapsed < serial / 3 and store.peak >= 4
+    assert windows >= 12 * CHUNK           # grew with the run: a quarter of 64 chunks, up to max
+    stats = sched.statistics().files[0]
+    assert not stats.open and stats.fetched_bytes == m.size - 2 * CHUNK + 2 * CHUNK
+    assert stats.prefetch_used_bytes >= stats.prefetched_bytes // 2
+
+
+async def read_tensor(kernel: Kernel, reader, t: TensorEntry, lo: float = 0.0, hi: float = 1.0,
+                      step: int = 16 * 1024) -> bytes:
+    out = bytearray()
+    start, end = t.offset + int(lo * t.length), t.offset + int(hi * t.length)
+    for off in range(start, end, step):
+        out += await kernel.read(reader, off, min(step, end - off))
+    return bytes(out)
+
+
+async def test_a_reader_that_skips_tensors_gets_what_it_touches(autojump_clock):
+    """A pipeline stage: whole tensors 1, 4 and 6 of 8; nothing of the others but a stream's overshoot."""
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=16 * CHUNK), on_chunk=kernel.push)
+    wanted = [1, 4, 6]
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        for k in wanted:
+            t = index.tensors[k]
+            assert await read_tensor(kernel, reader, t) == data[t.offset:t.offset + t.length]
+        await trio.sleep(1)
+        await reader.aclose()
+    got = set(fetched(store, m))
+    read = 2 * CHUNK + len(wanted) * 8 * CHUNK
+    print(f"stage of 3 tensors: fetched chunks {sorted(got)}")
+    assert len(fetched(store, m)) == len(got)                     # nothing twice
+    assert not got & {c for k in (0, 3) for c in range(1 + 8 * k, 9 + 8 * k)}   # the skipped ones: untouched
+    assert len(got) * CHUNK <= 1.3 * read + 2 * CHUNK * 2 * len(wanted)
+    f = sched.statistics().files[0]
+    assert f.fetched_bytes == len(got) * CHUNK and f.prefetch_wasted_bytes <= f.prefetched_bytes
+
+
+async def test_a_reader_of_the_start_of_each_tensor_stops_getting_whole_tensors(autojump_clock):
+    """Rank 0 of a tensor-parallel group: the first eighth of every tensor. The first tensor is fetched
+    whole (nothing says otherwise yet); once the reader leaves it early, only what it touches."""
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=16 * CHUNK), on_chunk=kernel.push)
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        for t in index.tensors:
+            assert await read_tensor(kernel, reader, t, 0, 1 / 8) == data[t.offset:t.offset + t.length // 8]
+        await trio.sleep(1)
+        await reader.aclose()
+    got = set(fetched(store, m))
+    firsts = {1 + 8 * k for k in range(8)}
+    assert firsts <= got
+    extra = got - firsts - {0, len(m.chunks) - 1}
+    print(f"rank 0 of 8: fetched {sorted(got)}; beyond the slices: {sorted(extra)}")
+    assert extra <= set(range(2, 9)) | {10}      # the rest of the first tensor, at most a chunk more
+    assert reader.whole is False
+
+
+async def test_a_slice_reader_gets_its_slices_and_the_next_ones_ahead(autojump_clock):
+    """Rank 3 of 8 reads its eighth (one chunk) of each tensor: only those chunks are fetched, and after
+    two landings at the same fraction the next tensors' slices arrive before the reader asks."""
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=16 * CHUNK), on_chunk=kernel.push)
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        await trio.sleep(1)
+        waits = []
+        for t in index.tensors:
+            t0 = trio.current_time()
+            assert await read_tensor(kernel, reader, t, 3 / 8, 4 / 8) == \
+                data[t.offset + 3 * t.length // 8:t.offset + 4 * t.length // 8]
+            waits.append(trio.current_time() - t0)
+            await trio.sleep(0.02)                 # the rank computes between tensors
+        await reader.aclose()
+    got = fetched(store, m)
+    slices = {1 + 8 * k + 3 for k in range(8)}
+    print(f"rank 3 of 8: fetched {sorted(got)}; waits {[round(w * 1000) for w in waits]} ms")
+    assert set(got) == slices | {0, len(m.chunks) - 1} and len(got) == len(set(got))
+    assert all(w == 0 for w in waits[3:])     # predicted: there before the reader came
+    f = sched.statistics().files[0]
+    assert f.prefetch_wasted_bytes == 0 and f.prefetch_used_bytes >= 5 * CHUNK
 
 
 async def test_demand_reads_do_not_queue_behind_prefetch(autojump_clock):
@@ -200,7 +345,10 @@ async def test_demand_reads_do_not_queue_behind_prefetch(autojump_clock):
     sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=64 * CHUNK, concurrency=2))
     async with trio.open_nursery() as n:
         reader = await sched.open(n, m, tensor_index(make_file(FakeStore(), 64)[0]))
+        for off in range(0, 24 * CHUNK, 16 * 1024):      # a stream: its window keeps 2-wide prefetch busy
+            await reader.read(off, 16 * 1024)
         await trio.testing.wait_all_tasks_blocked()
+        assert store.inflight == 2 and reader.window >= 3 * CHUNK
         t0 = trio.current_time()
         assert await reader.read(60 * CHUNK, 100) == data[60 * CHUNK:60 * CHUNK + 100]
         assert trio.current_time() - t0 <= 0.008 + 1e-9   # one fetch latency, not behind 2-wide prefetch
@@ -265,25 +413,30 @@ async def test_no_replica_gives_chunk_unavailable_naming_file_offset_chunk_and_s
 
 
 async def test_two_opens_of_one_file_fetch_each_chunk_once(autojump_clock):
-    """torch.load(mmap=True) opens a checkpoint twice: the second open's plan must not fetch again
-    what the first pushed to the kernel (and dropped from the cache)."""
+    """torch.load(mmap=True) opens a checkpoint twice: the second open must not fetch again what the
+    first pushed to the kernel (and dropped from the cache)."""
     store = FakeStore(latency=0.008)
-    m, data = make_file(store, 32)
-    kernel = bytearray(len(data))
+    m, data, index = checkpoint(store, tensors=4)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=8 * CHUNK, concurrency=2),
+                      on_chunk=kernel.push)
 
-    async def push(inode: int, offset: int, piece) -> None:
-        await trio.sleep(0.001)
-        kernel[offset:offset + len(piece)] = piece
+    async def read_all_through_kernel(reader) -> bytes:
+        out = bytearray()
+        for off in range(0, m.size, 16 * 1024):
+            out += await kernel.read(reader, off, 16 * 1024)
+        return bytes(out)
 
-    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=8 * CHUNK, concurrency=2), on_chunk=push)
-    index = tensor_index(m)
     async with trio.open_nursery() as n:
         first = await sched.open(n, m, index, inode=5)
-        await trio.sleep(0.004)
         second = await sched.open(n, m, index, inode=5)
+        async with trio.open_nursery() as readers:
+            readers.start_soon(read_all_through_kernel, first)
+            await trio.sleep(0.004)
+            readers.start_soon(read_all_through_kernel, second)
         await trio.sleep(1)
         await first.aclose()
         await second.aclose()
-    assert bytes(kernel) == data
-    assert len(store.log) == 32, "every chunk fetched exactly once"
-    assert sched.cache.statistics().used == 0
+    assert bytes(kernel.data) == data
+    assert sorted(fetched(store, m)) == list(range(len(m.chunks))), "every chunk fetched exactly once"
+    assert sched.cache.statistics().pinned == 0 and sched.cache.statistics().inflight == 0
