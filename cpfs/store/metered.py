@@ -6,15 +6,20 @@ A request counts once per call that reaches this wrapper: the pool's retries are
 """
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 import trio
 
 from ..errors import StoreError
 from .base import ObjectInfo, Store, StoreWrapper
 
+T = TypeVar("T")
 EWMA_WEIGHT = 0.2       # weight of the newest latency sample
+FETCH_SAMPLES = 256     # recent fetch latencies (get, get_with, get_range) kept for statistics()' p50/p99
 
 
 @dataclass(frozen=True)
@@ -28,13 +33,16 @@ class StoreStats:
     bytes_read: int
     bytes_written: int
     latency_ewma: float     # seconds, moving average over calls that answered
+    latency_p50: float = 0.0   # seconds, median of the recent fetches that answered
+    latency_p99: float = 0.0   # seconds, their 99th percentile
 
 
 class _Request:
     """One call: in flight from `with` to its end; its outcome decides which counter moves."""
 
-    def __init__(self, meter: MeteredStore) -> None:
+    def __init__(self, meter: MeteredStore, fetch: bool = False) -> None:
         self._m = meter
+        self._fetch = fetch     # a get: its latency joins the p50/p99 samples
 
     def __enter__(self) -> _Request:
         m = self._m
@@ -52,6 +60,8 @@ class _Request:
             # An error is an answer too (a NoSuchObject is as fast as a hit): both time the store.
             elapsed = trio.current_time() - self._t0
             m.latency_ewma += EWMA_WEIGHT * (elapsed - m.latency_ewma)
+            if self._fetch:
+                m._fetches.append(elapsed)
             if exc_type is not None:
                 m.errors += 1
         else:
@@ -65,21 +75,40 @@ class MeteredStore(StoreWrapper):
         self.outstanding = self.peak_outstanding = 0
         self.bytes_read = self.bytes_written = 0
         self.latency_ewma = 0.0
+        self._fetches: deque[float] = deque(maxlen=FETCH_SAMPLES)
 
     def statistics(self) -> StoreStats:
         return StoreStats(name=self.name, requests=self.requests, errors=self.errors, cancelled=self.cancelled,
                           outstanding=self.outstanding, peak_outstanding=self.peak_outstanding,
                           bytes_read=self.bytes_read, bytes_written=self.bytes_written,
-                          latency_ewma=self.latency_ewma)
+                          latency_ewma=self.latency_ewma, latency_p50=self._quantile(0.5),
+                          latency_p99=self._quantile(0.99))
+
+    def _quantile(self, q: float) -> float:
+        recent = sorted(self._fetches)
+        return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else 0.0
 
     async def get(self, key: str) -> bytes:
-        with _Request(self):
+        with _Request(self, fetch=True):
             data = await self.inner.get(key)
         self.bytes_read += len(data)
         return data
 
+    async def get_with(self, key: str, fn: Callable[[bytes | memoryview], T], limiter: trio.CapacityLimiter) -> T:
+        size = 0
+
+        def measured(data: bytes | memoryview) -> T:
+            nonlocal size
+            size = len(data)
+            return fn(data)
+
+        with _Request(self, fetch=True):
+            result = await self.inner.get_with(key, measured, limiter)
+        self.bytes_read += size
+        return result
+
     async def get_range(self, key: str, start: int, length: int) -> bytes:
-        with _Request(self):
+        with _Request(self, fetch=True):
             data = await self.inner.get_range(key, start, length)
         self.bytes_read += len(data)
         return data

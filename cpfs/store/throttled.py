@@ -5,9 +5,14 @@ scheduler's parallelism shows on one machine. Bandwidth is a shared link: transf
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import trio
 
 from .base import ObjectInfo, Store, StoreWrapper
+
+T = TypeVar("T")
 
 
 class ThrottledStore(StoreWrapper):
@@ -31,6 +36,19 @@ class ThrottledStore(StoreWrapper):
         data = await self.inner.get(key)
         await self._delay(start, len(data))
         return data
+
+    async def get_with(self, key: str, fn: Callable[[bytes | memoryview], T], limiter: trio.CapacityLimiter) -> T:
+        start = trio.current_time()
+        size = 0
+
+        def measured(data: bytes | memoryview) -> T:
+            nonlocal size
+            size = len(data)
+            return fn(data)
+
+        result = await self.inner.get_with(key, measured, limiter)
+        await self._delay(start, size)
+        return result
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         t0 = trio.current_time()
