@@ -369,7 +369,8 @@ class CpfsOperations(pyfuse3.Operations):
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = time.time_ns()
         return a
 
-    def _statistics(self) -> bytes:
+    def statistics_document(self) -> bytes:
+        """Every layer's statistics() as the JSON document `.cpfs-stats` and the metrics server serve."""
         mount = {"files": sum(1 for n in self.ns.nodes.values() if not n.is_dir), "retired": len(self.ns.retired),
                  "open_handles": len(self.handles), "writing": len(self.writing)}
         return stats.collect(pool=self.catalog.pool, catalog=self.catalog, scheduler=self.sched, mount=mount)
@@ -455,7 +456,7 @@ class CpfsOperations(pyfuse3.Operations):
         if inode == stats.CONTROL_INO:
             if flags & os.O_ACCMODE != os.O_RDONLY:
                 raise pyfuse3.FUSEError(errno.EACCES)
-            fh = self._new_handle(Handle(self._control, data=self._statistics()))
+            fh = self._new_handle(Handle(self._control, data=self.statistics_document()))
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         node = self.ns.node(inode)
         if node.is_dir:

@@ -133,6 +133,9 @@ class WriteSession:
         self._cs = self._cfg.chunk_size
         self.path = normalize_path(path)  # the FUSE layer may reassign it (rename while open)
         self.mode = mode & 0o7777
+        # Owner, group, atime and extended attributes of the commits (Manifest fields; the FUSE layer
+        # sets them, see set_attributes); ctime is the commit's time.
+        self.attributes: dict[str, object] = {}
         self._base = base
         self._fetch = fetch or self._fetch_base
         self._slots = upload_limiter or trio.CapacityLimiter(self._cfg.fetch_concurrency)
@@ -188,6 +191,11 @@ class WriteSession:
         return self._size
 
     @property
+    def mtime_ns(self) -> int:
+        """The modification time the next commit records (the last write's, or one set_attributes gave)."""
+        return self._mtime_ns
+
+    @property
     def staging_path(self) -> Path:
         return self._file.path
 
@@ -222,6 +230,16 @@ class WriteSession:
             self._bytes_written += len(data)
             self._advance_frontier(offset, end)
         return len(data)
+
+    def set_attributes(self, **fields: object) -> None:
+        """chmod, chown, utimens, setxattr of the open file: the next flush commits them, even if no byte
+        changed. `mode` and `mtime_ns` (a later write sets mtime again) or Manifest's other fields."""
+        if "mode" in fields:
+            self.mode = int(fields.pop("mode")) & 0o7777  # type: ignore[call-overload]
+        if "mtime_ns" in fields:
+            self._mtime_ns = int(fields.pop("mtime_ns"))  # type: ignore[call-overload]
+        self.attributes.update(fields)
+        self._mod += 1
 
     async def read(self, offset: int, size: int) -> bytes:
         """Current bytes, including writes not committed yet."""
@@ -611,7 +629,8 @@ class WriteSession:
         entries = await self._store_all(spans)
         manifest = Manifest(path=self.path, size=size, mtime_ns=self._mtime_ns, mode=self.mode,
                             chunk_size=self._cs, chunks=tuple(entries), version=0,
-                            tensor_index=index.to_json() if index else None)
+                            tensor_index=index.to_json() if index else None,
+                            **{"ctime_ns": time.time_ns(), **self.attributes})  # type: ignore[arg-type]
         if reason is not None:
             return await self._refuse(manifest, mod, reason, closing)
         manifest = await self._catalog.commit(manifest)

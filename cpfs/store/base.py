@@ -16,9 +16,15 @@ never time out on their own: the pool does both, so a store method must be cance
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+import trio
 
 from ..errors import NoSuchObject
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,16 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A store's space as `capacity` sees it: `total` and `free` bytes (free: what this process may
+    still write, e.g. statvfs f_bavail). `shared` names the space when several stores may draw on the
+    same one (a folder store: its filesystem's device), so the pool counts that space once."""
+    total: int
+    free: int
+    shared: str = ""
 
 
 class Store(abc.ABC):
@@ -44,6 +60,16 @@ class Store(abc.ABC):
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         """Bytes [start, start+length) of the object, short at its end (empty past it);
         NoSuchObject if absent."""
+
+    async def get_with(self, key: str, fn: Callable[[bytes | memoryview], T], limiter: trio.CapacityLimiter) -> T:
+        """fn(the whole object), computed in a worker thread: e.g. decode and verify a chunk. Here `get`,
+        then fn in a thread under `limiter`. A kind that reads in a worker thread anyway overrides it
+        to run fn in that same thread right after the read (one hand-off per object instead of two),
+        maybe on a reused buffer: fn may keep views of its argument (a buffer is reused only once
+        nothing refers to it), but must not write to it. Exceptions of fn propagate as they are.
+        NoSuchObject if absent."""
+        data = await self.get(key)
+        return await trio.to_thread.run_sync(fn, data, limiter=limiter)
 
     async def head(self, key: str) -> int:
         """The stored size of the object; NoSuchObject if absent."""
@@ -101,6 +127,11 @@ class Store(abc.ABC):
         files), named so that `delete_if_older` removes them. Kinds whose puts leave nothing have none."""
         return []
 
+    async def capacity(self) -> Capacity | None:
+        """The store's total and free space, or None when it has none to report (an S3 bucket has no
+        quota). Read by statfs (cpfs/pool.py StorePool.capacity)."""
+        return None
+
     async def check(self) -> None:
         """Raise StoreError if the store cannot be used (at startup, and to probe a store marked down):
         transient if it may come back, permanent if the configuration is wrong."""
@@ -122,6 +153,14 @@ class StoreWrapper(Store):
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         return await self.inner.get_range(key, start, length)
+
+    async def get_with(self, key: str, fn: Callable[[bytes | memoryview], T], limiter: trio.CapacityLimiter) -> T:
+        """The inner store's `get_with`, unless this wrapper changes `get` (faults, latency, metering):
+        then its `get` and fn in a second thread, so that what `get` does is never skipped. A wrapper
+        that can do better overrides this (MeteredStore, ThrottledStore)."""
+        if type(self).get is not StoreWrapper.get:
+            return await Store.get_with(self, key, fn, limiter)
+        return await self.inner.get_with(key, fn, limiter)
 
     async def head(self, key: str) -> int:
         return await self.inner.head(key)
@@ -152,6 +191,9 @@ class StoreWrapper(Store):
 
     async def list_temporary(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
         return await self.inner.list_temporary(prefix, start_after, limit)
+
+    async def capacity(self) -> Capacity | None:
+        return await self.inner.capacity()
 
     async def check(self) -> None:
         await self.inner.check()

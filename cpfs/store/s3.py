@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 import trio
 
 from ..errors import NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
-from .base import ObjectInfo, Store
+from .base import Capacity, ObjectInfo, Store
 
 if TYPE_CHECKING:
     from ..config import StoreConfig
@@ -344,6 +344,10 @@ class S3Store(Store):
             # head_bucket has no body: a bare 404 there is the bucket.
             raise StoreUnavailable(self.name, f"bucket {self.bucket!r} does not exist ({self._where})",
                                    transient=False) from None
+
+    async def capacity(self) -> Capacity | None:
+        """None: a bucket has no quota to report (statfs shows a large fixed figure for it)."""
+        return None
 
     async def aclose(self) -> None:
         with self._client_lock:
