@@ -12,7 +12,12 @@ The pool holds replica policy, nothing about any one kind of store:
   replica, the first answer wins and the other is cancelled; at most `hedges` hedges are in flight.
   A read cancelled that way counts twice its elapsed time as a latency sample, so a hung or
   straggling store sinks in the ranking instead of costing a hedge delay on every read;
-- writes go through one fan-out with quorum (`_put_quorum`);
+- writes go through one fan-out with quorum (`_put_quorum`). With `write_quorum` < the targets, a write
+  returns once the quorum holds the data (manifests too: see `_put_quorum`); the other puts go on in
+  `run()`'s nursery as *background puts*, bounded (BACKGROUND_BYTES of blobs, BACKGROUND_WRITES writes:
+  beyond that a write waits before returning, so a slow store slows writers instead of growing memory);
+  one that fails is retried once through the repair queue, then left to `cpfs scrub --repair`. When
+  `run()` is cancelled (unmount), they get `shutdown_grace` seconds, then are abandoned (logged);
 - read repair: a replica a read found corrupt or missing is rewritten from the good copy the read got,
   in the background (`run()`), logged with store, chunk and file; a full repair queue drops the job
   (scrub finds it later) rather than hold a read;
@@ -21,7 +26,13 @@ The pool holds replica policy, nothing about any one kind of store:
   that is older than gc_grace/2 is touched first, so that a concurrent gc spares it (cpfs/gc.py).
 
 Ranking: least expected wait first, (requests in flight + 1) x recent latency (floored, so local
-stores of similar speed spread by requests in flight), so concurrent fetches use every store.
+stores of similar speed spread by requests in flight), so concurrent fetches use every store. Except a
+*known-slow* store: one whose fastest recent answers (queueing left out; before its first read answers,
+the moving average of its requests, e.g. the mount's listings) are SLOW_RATIO times slower than another
+candidate's. It is ranked after the others whatever their queues (a straggler at 20x never gets a first
+attempt: a reader waiting on it waits its whole latency, since its p95 sets its hedge delay), is asked
+along with the first replica once in EXPLORE_EVERY reads that pass it over (so a store that recovered
+is found), and a read that does start on it hedges after the other stores' p95, not its own.
 """
 from __future__ import annotations
 
@@ -42,6 +53,7 @@ from .errors import ChunkUnavailable, ConfigError, CorruptChunk, NoSuchObject, S
 from .manifest import ChunkEntry
 from .placement import place
 from .store import MeteredStore, ObjectInfo, Store, StoreStats, open_store
+from .store.base import Capacity
 from .sync import FanOut, fan_out, quorum
 
 log = logging.getLogger(__name__)
@@ -58,6 +70,12 @@ RANK_FLOOR = 0.001           # latencies below this rank alike (a local disk is 
 VERIFY_FULL_MAX = 256 * 1024  # dedup compares whole replicas up to this size, size + header above
 SUSPECTS_MAX = 100_000       # (store, digest) pairs remembered as read corrupt
 LATENCY_SAMPLES = 64         # recent read latencies kept per store (for the p95 that hedging uses)
+ANSWERED_SAMPLES = 16        # recent answered reads kept per store (the fastest: what it takes at best)
+SLOW_RATIO = 4.0             # a store this much slower at best than another candidate is known slow
+EXPLORE_EVERY = 32           # a known-slow store is asked along with the first replica once in this many
+BACKGROUND_BYTES = 64 * 1024**2  # blob bytes that writes returned at quorum may leave in flight...
+BACKGROUND_WRITES = 256      # ... and writes (manifests are small): beyond either, a write waits
+SHUTDOWN_GRACE = 10.0        # seconds background puts get when run() is cancelled, then abandoned
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,13 @@ class ReplicaStats:
     hedges_skipped: int       # slow reads not hedged because `hedges` were in flight
     repairs_dropped: int      # read repairs not queued because the queue was full
     touched: int              # old copies dedup reused and touched, so that a gc spares them
+    explored: int             # reads that also asked a known-slow store, to see if it still is
+    background_puts: int      # puts still running after their write returned at quorum
+    background_bytes: int     # blob bytes the writes with background puts hold
+    background_done: int      # background puts that stored their copy
+    background_failed: int    # ... that failed (retried once by the repair queue, else left to scrub)
+    background_abandoned: int  # ... cancelled when the shutdown grace ran out (scrub completes them)
+    background_waits: int     # writes that waited for room (BACKGROUND_BYTES/WRITES) before returning
 
 
 @dataclass(frozen=True)
@@ -99,7 +124,8 @@ class _Health:
 
 class StorePool:
     def __init__(self, config: Config, stores: Sequence[Store] | None = None, *,
-                 probe_interval: float = PROBE_INTERVAL, seed: int | None = None) -> None:
+                 probe_interval: float = PROBE_INTERVAL, seed: int | None = None,
+                 background_bytes: int = BACKGROUND_BYTES, shutdown_grace: float = SHUTDOWN_GRACE) -> None:
         """The stores `config` describes, or `stores` (tests inject wrapped stores; each gets a
         MeteredStore around it unless it is one)."""
         self.config = config
@@ -116,12 +142,23 @@ class StorePool:
         self._rng = random.Random(seed)
         self._went_down = trio.Event()
         self._latency = {n: deque(maxlen=LATENCY_SAMPLES) for n in self.names}
+        self._wins = {n: deque(maxlen=ANSWERED_SAMPLES) for n in self.names}   # answered reads only
+        self._passed_over = {n: 0 for n in self.names}     # reads that skipped it as known slow
+        self._since: dict[str, dict[object, float]] = {n: {} for n in self.names}  # reads in flight: start
+        self._explored = 0
         self._picked = {n: 0 for n in self.names}
         self._repair_send, self._repair_recv = trio.open_memory_channel[tuple[str, str, bytes, str]](REPAIR_QUEUE)
         self._repairs_dropped = 0
         self._reads = self._fallbacks = self._hedges = self._hedges_won = 0
         self._hedging = self._hedges_skipped = 0
         self._touched = 0
+        self._background: trio.Nursery | None = None   # run()'s, while it runs: where writes leave puts
+        self._bg_limit = background_bytes
+        self._shutdown_grace = shutdown_grace
+        self._bg_scopes: set[trio.CancelScope] = set()  # every put of a write that may leave some behind
+        self._bg_changed = trio.Event()                 # set (and replaced) whenever one of them ends
+        self._bg_puts = self._bg_bytes = self._bg_writes = 0
+        self._bg_done = self._bg_failed = self._bg_abandoned = self._bg_waits = 0
 
     # ------------------------------------------------------------------ state
 
@@ -133,7 +170,10 @@ class StorePool:
         return ReplicaStats(reads=self._reads, fallbacks=self._fallbacks, hedges=self._hedges,
                             hedges_won=self._hedges_won, hedges_in_flight=self._hedging,
                             hedges_skipped=self._hedges_skipped, repairs_dropped=self._repairs_dropped,
-                            touched=self._touched)
+                            touched=self._touched, explored=self._explored, background_puts=self._bg_puts,
+                            background_bytes=self._bg_bytes, background_done=self._bg_done,
+                            background_failed=self._bg_failed, background_abandoned=self._bg_abandoned,
+                            background_waits=self._bg_waits)
 
     def health(self) -> list[StoreHealth]:
         return [self._health[n].snapshot(n) for n in self.names]
@@ -142,13 +182,44 @@ class StorePool:
         return self._health[name].up
 
     def rank(self, names: Sequence[str]) -> list[str]:
-        """Replicas, best first: stores that are up before those that are down, then least expected wait."""
-        def score(n: str) -> tuple[bool, float, float]:
+        """Replicas, best first: stores that are up before those that are down, known-slow stores after
+        the others, then least expected wait."""
+        names = [n for n in names if n in self._stores]
+        slow = {n for n in names if self._known_slow(n, names)}
+
+        def score(n: str) -> tuple[bool, bool, float, float]:
             m = self._stores[n]
-            latency = max(m.latency_ewma, self._read_latency(n), RANK_FLOOR)
+            latency = max(m.latency_ewma, self._read_latency(n), self._waiting(n), RANK_FLOOR)
             busy = max(m.outstanding, self._picked[n])   # picked: reads chosen, maybe not started yet
-            return (not self._health[n].up, (busy + 1) * latency, latency)
-        return sorted((n for n in names if n in self._stores), key=score)
+            return (not self._health[n].up, n in slow, (busy + 1) * latency, latency)
+        return sorted(names, key=score)
+
+    def _floor(self, name: str) -> float:
+        """What a read of `name` takes at best lately: its fastest recent answered read (the queueing
+        of busy moments left out). Before it answered one, what is known: the moving average of its
+        requests (the mount's listings), the median of its lost races once it lost a few (each took
+        longer than that), and how long its oldest read in flight has waited; 0 if nothing is."""
+        wins = self._wins[name]
+        if wins:
+            return min(wins)
+        lost = self._latency[name]
+        return max(self._stores[name].latency_ewma, self._waiting(name),
+                   sorted(lost)[len(lost) // 2] if len(lost) >= 3 else 0.0)
+
+    def _waiting(self, name: str) -> float:
+        """How long the oldest read of `name` in flight has been waiting (0 if none is)."""
+        since = self._since[name]
+        return trio.current_time() - min(since.values()) if since else 0.0
+
+    def _known_slow(self, name: str, among: Sequence[str]) -> bool:
+        """`name` is up, and at best SLOW_RATIO times slower (and slower than hedge_min) than another
+        store of `among` that is up."""
+        mine = self._floor(name)
+        if not self._health[name].up or mine <= self.config.hedge_min:
+            return False
+        others = [f for n in among if n != name and n in self._stores and self._health[n].up
+                  and (f := self._floor(n)) > 0]
+        return bool(others) and mine > SLOW_RATIO * max(min(others), RANK_FLOOR)
 
     def _mark_down(self, name: str, reason: str) -> None:
         h = self._health[name]
@@ -190,13 +261,34 @@ class StorePool:
             self._mark_down(name, e.detail)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Background work: read repairs, and probes of every store that is down until it answers.
-        Runs until cancelled; start it in the nursery that outlives the pool's users
-        (`await nursery.start(pool.run)`)."""
-        async with trio.open_nursery() as n:
-            n.start_soon(self._repairer)
-            task_status.started()
-            await self._prober()
+        """Background work: read repairs, probes of every store that is down until it answers, and the
+        puts that writes returning at quorum left running. Runs until cancelled; start it in the
+        nursery that outlives the pool's users (`await nursery.start(pool.run)`). Cancelled, it gives
+        the background puts `shutdown_grace` seconds to end, then abandons them (logged: scrub
+        completes their copies); writes from then on wait for every target."""
+        async with trio.open_nursery() as puts:
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._repairer)
+                    self._background = puts
+                    task_status.started()
+                    await self._prober()
+            finally:
+                self._background = None
+                await self._drain()
+
+    async def _drain(self) -> None:
+        """Wait (shielded) up to shutdown_grace for the background puts, then cancel what is left."""
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self._shutdown_grace):
+                while self._bg_scopes:
+                    await self._bg_changed.wait()
+            if self._bg_scopes:
+                log.warning("shutting down: abandoning %d puts still running after %gs (%d background); "
+                            "`cpfs scrub --repair` completes the copies they were making",
+                            len(self._bg_scopes), self._shutdown_grace, self._bg_puts)
+                for scope in self._bg_scopes:
+                    scope.cancel()
 
     async def _repairer(self) -> None:
         async for name, key, blob, where in self._repair_recv:
@@ -249,25 +341,35 @@ class StorePool:
         timeout = self._timeouts[name] if timeout is None else timeout
         deadline = trio.current_time() + timeout
         attempt = 0
-        with trio.move_on_at(deadline):
-            while True:
-                try:
-                    result = await op(store)
-                except StoreError as e:
-                    if not e.transient:
-                        self._answered(name)
-                        raise
-                    attempt += 1
-                    delay = self._rng.uniform(0, min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (attempt - 1)))
-                    if attempt >= ATTEMPTS or trio.current_time() + delay >= deadline:
-                        self._failed(name, e)
-                        raise
-                    h.retries += 1
-                    log.debug("store %r: %s failed (%s), try %d in %.3fs", name, what, e.detail, attempt + 1, delay)
-                    await trio.sleep(delay)
-                    continue
-                self._answered(name)
-                return result
+        failure: StoreError | None = None       # the last transient failure, not yet counted
+        try:
+            with trio.move_on_at(deadline):
+                while True:
+                    try:
+                        result = await op(store)
+                    except StoreError as e:
+                        if not e.transient:
+                            self._answered(name)
+                            raise
+                        failure = e
+                        attempt += 1
+                        delay = self._rng.uniform(0, min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (attempt - 1)))
+                        if attempt >= ATTEMPTS or trio.current_time() + delay >= deadline:
+                            failure = None
+                            self._failed(name, e)
+                            raise
+                        h.retries += 1
+                        log.debug("store %r: %s failed (%s), try %d in %.3fs", name, what, e.detail, attempt + 1, delay)
+                        await trio.sleep(delay)
+                        continue
+                    self._answered(name)
+                    return result
+        except trio.Cancelled:
+            if failure is not None:
+                # Abandoned after failing, waiting to retry (a hedge won meanwhile): a failed request
+                # all the same, or a store that fails every request would never be marked down.
+                self._failed(name, failure)
+            raise
         h.timeouts += 1
         self._mark_down(name, f"{what} got no answer within {timeout:g}s")
         raise StoreUnavailable(name, f"{what} got no answer within {timeout:g}s")
@@ -342,9 +444,22 @@ class StorePool:
         return await fan_out(fn, names, catch=StoreError)
 
     async def _put_quorum(self, names: Sequence[str], fn: Callable[[str], Awaitable[object]], need: int,
-                          what: str) -> list[str]:
+                          what: str, *, nbytes: int = 0, failed: Callable[[str], None] | None = None) -> list[str]:
         """fn(name) on every store at once; the names that succeeded, in `names` order. Raises the
-        first StoreError if fewer than `need` did."""
+        first StoreError if fewer than `need` did. Once the write succeeded, `failed(name)` is called for
+        every store whose fn failed (also later, for a background put).
+
+        While run() runs and `need` < len(names), it returns as soon as `need` succeeded (names that
+        succeeded by then); the other calls go on in run()'s nursery as background puts, holding the
+        write's blob (`nbytes`). Backpressure: before returning, a write that leaves calls behind waits
+        until its blob fits within BACKGROUND_BYTES and BACKGROUND_WRITES (or its calls end).
+        Below quorum it raises only after every call ended, as without run(): the caller's cleanup
+        (a failed manifest commit deletes its key) never races a put that lands afterwards.
+        Manifests return at quorum too: a version is immutable and readers take the newest version
+        any store lists (cpfs/catalog.py), so a version on `need` stores is found and survives like a
+        chunk on `need` stores; a missing copy is a scrub finding, as for chunks."""
+        names = list(names)
+
         def short() -> StoreError:
             return StoreError(",".join(names), f"{what}: {len(names)} stores, {need} needed")
 
@@ -355,8 +470,85 @@ class StorePool:
                 log.warning("%s: store %r failed: %s", what, name, e)
                 raise
 
-        out = await quorum(logged, names, need, catch=StoreError, short=short)
-        return out.succeeded(names)
+        bg = self._background
+        if bg is None or need >= len(names):
+            out = await quorum(logged, names, need, catch=StoreError, short=short)
+            if failed is not None:
+                for name, _ in out.errors:
+                    failed(name)
+            return out.succeeded(names)
+
+        held: set[str] = set()
+        errors: list[tuple[str, StoreError]] = []
+        pending = len(names)
+        left = False              # the write returned (or its caller gave up): running calls are background
+        settled = trio.Event()    # quorum reached, or out of reach
+
+        async def one(name: str) -> None:
+            nonlocal pending
+            error: StoreError | None = None
+            with trio.CancelScope(shield=True) as scope:    # run()'s cancellation waits for the grace
+                self._bg_scopes.add(scope)
+                try:
+                    await fn(name)
+                except StoreError as e:
+                    error = e
+                finally:
+                    self._bg_scopes.discard(scope)
+            pending -= 1
+            if error is None and not scope.cancelled_caught:
+                held.add(name)
+            elif error is not None and not left:
+                errors.append((name, error))
+                log.warning("%s: store %r failed: %s", what, name, error)
+            if left:
+                self._bg_puts -= 1
+                if scope.cancelled_caught:
+                    self._bg_abandoned += 1
+                    log.warning("%s: background put on store %r abandoned at shutdown; "
+                                "`cpfs scrub --repair` completes the copy", what, name)
+                elif error is None:
+                    self._bg_done += 1
+                else:
+                    self._bg_failed += 1
+                    log.warning("%s: background put on store %r failed: %s; the copy is left to a repair "
+                                "retry and `cpfs scrub --repair`", what, name, error)
+                    if failed is not None:
+                        failed(name)
+                if pending == 0:
+                    self._bg_bytes -= nbytes
+                    self._bg_writes -= 1
+            if len(held) >= need or len(held) + pending < need:
+                settled.set()
+            self._bg_changed.set()
+            self._bg_changed = trio.Event()
+
+        try:
+            for name in names:
+                bg.start_soon(one, name)
+            await settled.wait()
+            if len(held) < need:
+                while pending:
+                    await self._bg_changed.wait()
+                if errors:
+                    raise errors[0][1]
+                raise short()
+            waited = False
+            while pending and self._bg_writes and (self._bg_bytes + nbytes > self._bg_limit
+                                                   or self._bg_writes >= BACKGROUND_WRITES):
+                waited = True
+                await self._bg_changed.wait()
+            self._bg_waits += waited
+            if failed is not None:
+                for name, _ in errors:
+                    failed(name)
+            return [n for n in names if n in held]
+        finally:
+            if pending and not left:
+                left = True
+                self._bg_puts += pending
+                self._bg_bytes += nbytes
+                self._bg_writes += 1
 
     def _read_latency(self, name: str) -> float:
         """Median of the store's recent read latencies (hedge losses included); of all stores' while
@@ -369,7 +561,9 @@ class StorePool:
         (of all stores, while it has few samples), within [hedge_min, hedge_max]."""
         cfg = self.config
         samples = sorted(self._latency[name])
-        if len(samples) < 8:        # a store not heard from yet: what the stores take in general
+        if self._known_slow(name, self.names):      # hedge when a usual store would have answered
+            samples = sorted(t for n, d in self._latency.items() if not self._known_slow(n, self.names) for t in d)
+        elif len(samples) < 8:      # a store not heard from yet: what the stores take in general
             samples = sorted(t for d in self._latency.values() for t in d)
         if len(samples) < 4:
             return cfg.hedge_max
@@ -381,7 +575,9 @@ class StorePool:
         """read(name) on the replicas in rank order until one succeeds, hedged (see the module doc).
         Stores that are down come last, as a last resort; the stores of `then` after all of `names`
         (ranked among themselves). Raises the last failure."""
-        ranked = iter(self.rank(names) + [n for n in self.rank(then) if n not in names])
+        order = self.rank(names) + [n for n in self.rank(then) if n not in names]
+        explore = self._to_explore(order, names)
+        ranked = deque(n for n in order if n != explore)      # not asked yet
         last: Exception = NoSuchObject(",".join(names) or "-", "no replica")
         send, recv = trio.open_memory_channel[tuple[str, float, bool, object]](len(names) + len(then) or 1)
         running: dict[str, float] = {}          # replica -> when its read started
@@ -389,6 +585,8 @@ class StorePool:
 
         async def attempt(name: str) -> None:
             t0 = trio.current_time()
+            token = object()
+            self._since[name][token] = t0
             try:
                 result: object = await read(name)
                 ok = True
@@ -396,6 +594,7 @@ class StorePool:
                 result, ok = e, False
             finally:
                 self._picked[name] -= 1
+                del self._since[name][token]
             send.send_nowait((name, trio.current_time() - t0, ok, result))
 
         def start(name: str, hedge: bool = False) -> None:
@@ -412,14 +611,21 @@ class StorePool:
         hold = -math.inf                  # no hedge before this (the hedge budget was spent)
         try:
             async with trio.open_nursery() as n:
-                newest = next(ranked, None)
-                if newest is None:
+                if not ranked:
                     raise last
+                newest = ranked.popleft()
                 start(newest)
+                if explore is not None:
+                    self._explored += 1
+                    start(explore, hedge=True)
                 while running:
                     wait, due = math.inf, math.inf
                     if more and self.config.hedges > 0 and newest in running:
                         due = max(running[newest] + self._hedge_after(newest), hold)
+                        if ranked and self._known_slow(ranked[0], names):
+                            # A hedge to a known-slow store cannot answer sooner than it takes at best:
+                            # asked earlier, it would only hold a hedge (the read may have hung: then it helps).
+                            due = max(due, running[newest] + self._floor(ranked[0]))
                         wait = due - trio.current_time()
                         if len(self._latency[newest]) < 8:
                             # Its p95 is still borrowed from the other stores and moves as their reads
@@ -430,19 +636,20 @@ class StorePool:
                         del running[name]
                         if ok:
                             self._latency[name].append(took)
+                            self._wins[name].append(took)
                             if name in hedged:
                                 self._hedges_won += 1
                             for slow, since in running.items():
                                 # A loser took longer than this, by how much nobody knows: counted
                                 # twice over, so a straggler sinks faster than a store that lost once
                                 # by a hair.
-                                self._latency[slow].append(trio.current_time() - since)
+                                self._latency[slow].append(2 * (trio.current_time() - since))
                             n.cancel_scope.cancel()
                             return result  # type: ignore[return-value]
                         assert isinstance(result, Exception)
                         failed(name, result)
                         last = result
-                        nxt = next(ranked, None)
+                        nxt = ranked.popleft() if ranked else None
                         if nxt is None:
                             more = False
                         else:
@@ -456,7 +663,7 @@ class StorePool:
                         self._hedges_skipped += 1
                         hold = trio.current_time() + self.config.hedge_max
                         continue
-                    nxt = next(ranked, None)
+                    nxt = ranked.popleft() if ranked else None
                     if nxt is None:
                         more = False
                     else:
@@ -466,10 +673,23 @@ class StorePool:
             self._hedging -= len(hedged)
         raise last
 
+    def _to_explore(self, order: Sequence[str], names: Sequence[str]) -> str | None:
+        """The known-slow store of `names` to ask along with the first replica this time (once in
+        EXPLORE_EVERY reads that pass it over, if a hedge is free), else None."""
+        if len(order) < 2 or self.config.hedges <= 0:
+            return None
+        for name in order[1:]:
+            if name in names and self._known_slow(name, names):
+                self._passed_over[name] += 1
+                if self._passed_over[name] % EXPLORE_EVERY == 0 and self._hedging < self.config.hedges:
+                    return name
+        return None
+
     async def put_quorum(self, names: Sequence[str], key: str, data: bytes, quorum: int) -> list[str]:
         """Put `key` on every store of `names` at once; the names that hold it (in `names` order).
         Raises the first StoreError if fewer than `quorum` succeeded."""
-        return await self._put_quorum(names, lambda n: self.put(n, key, data), quorum, f"put {key!r}")
+        return await self._put_quorum(names, lambda n: self.put(n, key, data), quorum, f"put {key!r}",
+                                      nbytes=len(data))
 
     async def get_any(self, names: Sequence[str], key: str) -> bytes:
         """An object from the best store of `names` that has it."""
@@ -497,21 +717,28 @@ class StorePool:
                   if n not in entry.stores]
         failures: list[str] = []
         damaged: list[str] = []             # replicas that are corrupt or missing: to repair
-        blobs: dict[str, bytes] = {}
+        blobs: dict[str, bytes | memoryview] = {}
 
-        async def read(name: str) -> bytes:
+        def decode(blob: bytes | memoryview) -> tuple[bytes | memoryview | CorruptChunk, bytes | memoryview]:
+            """(raw bytes, blob), in the store's read thread (`Store.get_with`: one hand-off per chunk).
+            A corrupt blob is an answer, not a failure of the store: its CorruptChunk is returned."""
             try:
-                blob = await self._call(name, f"get {key!r}", lambda s: s.get(key), allow_down=True)
+                return chunkfmt.decode(blob, entry.digest), blob
+            except CorruptChunk as e:
+                return e, blob
+
+        async def read(name: str) -> bytes | memoryview:
+            try:
+                raw, blob = await self._call(name, f"get {key!r}",
+                                             lambda s: s.get_with(key, decode, self.cpu), allow_down=True)
             except NoSuchObject:
                 if name in entry.stores:      # a placement store without a copy is not damaged
                     damaged.append(name)
                 raise
-            try:
-                raw = await trio.to_thread.run_sync(chunkfmt.decode, blob, entry.digest, limiter=self.cpu)
-            except CorruptChunk:
+            if isinstance(raw, CorruptChunk):
                 self._suspect(name, entry.digest)
                 damaged.append(name)
-                raise
+                raise raw
             if len(raw) != entry.raw_len:     # the manifest is wrong, not the replica: nothing to repair
                 raise CorruptChunk(f"chunk {entry.digest[:16]}: {len(raw)} bytes, the manifest says {entry.raw_len}")
             blobs[name] = blob
@@ -528,7 +755,7 @@ class StorePool:
             pass
         else:
             if damaged and blobs:
-                good = next(iter(blobs.values()))
+                good = bytes(next(iter(blobs.values())))   # a copy: the blob may be a store's reused buffer
                 for name in damaged:
                     try:
                         self._repair_send.send_nowait((name, key, good, where))
@@ -587,7 +814,10 @@ class StorePool:
 
     async def store_chunk(self, enc: chunkfmt.EncodedChunk, targets: Sequence[str], quorum: int) -> tuple[list[str], bool]:
         """Put a chunk on `targets`, reusing the good copies already there (and rewriting bad ones).
-        Returns (stores holding it, whether any store was written); raises the first error below quorum."""
+        Returns (stores holding it, whether any store was written so far); raises the first error below
+        quorum. With run() running and quorum < len(targets), it returns once `quorum` stores hold it;
+        the other targets are completed in the background (see `_put_quorum`), a copy that failed is
+        tried once more through the repair queue, then left to scrub."""
         key = chunkfmt.chunk_key(enc.digest)
         wrote = False
 
@@ -602,11 +832,35 @@ class StorePool:
                 self._health[name].repairs += 1
             wrote = True
 
-        held = await self._put_quorum(targets, one, quorum, f"chunk {enc.digest[:16]}")
-        for name in targets:       # write_quorum < replicas: the copies that failed, completed later
-            if name not in held:
-                try:
-                    self._repair_send.send_nowait((name, key, enc.blob, f"chunk {enc.digest[:16]} (write)"))
-                except trio.WouldBlock:
-                    self._repairs_dropped += 1
+        def retry(name: str) -> None:   # write_quorum < replicas: a copy that failed, tried once more
+            try:
+                self._repair_send.send_nowait((name, key, enc.blob, f"chunk {enc.digest[:16]} (write)"))
+            except trio.WouldBlock:
+                self._repairs_dropped += 1
+
+        held = await self._put_quorum(targets, one, quorum, f"chunk {enc.digest[:16]}", nbytes=len(enc.blob),
+                                      failed=retry)
         return held, wrote
+
+    async def capacity(self) -> Capacity | None:
+        """What a user can still write (statfs). Each byte written lands on `replicas` of the n stores
+        (placement spreads them evenly), so a space takes replicas/n of every byte, times the number of
+        stores that share it (folder stores on one filesystem). The space that fills first bounds the
+        rest: free = min over spaces of free * n / (replicas * sharing stores); total likewise.
+        Stores that report none (S3) or do not answer within CHECK_TIMEOUT are left out; None if
+        no store reports a capacity."""
+        async def one(name: str) -> Capacity | None:
+            return await self._call(name, "capacity", lambda s: s.capacity(),
+                                    timeout=min(CHECK_TIMEOUT, self._timeouts[name]))
+
+        out = await self._fan_out(self.names, one)
+        spaces: dict[str, tuple[Capacity, int]] = {}
+        for name, cap in out.results.items():
+            if cap is not None:
+                key = cap.shared or f"store:{name}"
+                spaces[key] = (cap, spaces[key][1] + 1 if key in spaces else 1)
+        if not spaces:
+            return None
+        n, r = len(self.names), min(self.config.replicas, len(self.names))
+        return Capacity(total=min(c.total * n // (r * k) for c, k in spaces.values()),
+                        free=min(c.free * n // (r * k) for c, k in spaces.values()))
