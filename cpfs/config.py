@@ -72,6 +72,27 @@ def parse_mode(value: Any) -> int:
     raise ValueError(f"expected permission bits as a string of octal digits such as \"0600\", got {value!r}")
 
 
+def parse_listen(value: Any) -> tuple[str, int]:
+    """'127.0.0.1:9464' -> ('127.0.0.1', 9464); '[::1]:9464' for IPv6; a host name is allowed."""
+    import ipaddress
+
+    if isinstance(value, str):
+        m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:([0-9]{1,5})|([A-Za-z0-9.-]+):([0-9]{1,5})", value.strip())
+        if m:
+            host, port = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+            try:
+                ipaddress.ip_address(host)
+                ok = True
+            except ValueError:       # a host name: RFC 1123 labels, not all digits
+                ok = not m.group(1) and all(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label)
+                                            for label in host.split(".")) and not host.replace(".", "").isdigit()
+            if ok and 1 <= int(port) <= 65535:
+                return host, int(port)
+            if ok:
+                raise ValueError(f"port must be between 1 and 65535, got {value!r}")
+    raise ValueError(f"expected \"HOST:PORT\" such as \"127.0.0.1:9464\" (\"[::1]:9464\" for IPv6), got {value!r}")
+
+
 @dataclass(frozen=True)
 class FaultConfig:
     """Fault drills of one store (cpfs.store.faulty); all off by default."""
@@ -130,8 +151,10 @@ class Config:
     read_ahead_kb: int = 1024
     max_tasks: int = 64
     refresh: float = 1.0
+    allow_other: bool = False       # [mount] allow_other: other users reach the mount (see default.toml)
     staging: Path | None = None     # None: $XDG_CACHE_HOME/cpfs/staging
     log_level: str = "INFO"
+    metrics_listen: tuple[str, int] | None = None   # [metrics] listen: Prometheus figures (cpfs/metrics.py)
 
     def store(self, name: str) -> StoreConfig:
         for s in self.stores:
@@ -164,8 +187,10 @@ _SECTIONS = {
         "read_ahead_kb": ("read_ahead_kb", int),
         "max_tasks": ("max_tasks", int),
         "refresh": ("refresh", parse_duration),
+        "allow_other": ("allow_other", bool),
         "staging": ("staging", str),
     },
+    "metrics": {"listen": ("metrics_listen", parse_listen)},
     "store_defaults": {
         "timeout": ("request_timeout", parse_duration),
         "hedge_min": ("hedge_min", parse_duration),

@@ -31,7 +31,8 @@ from .cache import ChunkCache
 from .catalog import Catalog
 from .config import Config, staging_dir
 from .errors import ConfigError, CpfsError
-from .fs import CpfsOperations
+from . import metrics
+from .fs import CpfsOperations, mount_options
 from .namespace import Namespace
 from .pool import StorePool
 from .readahead import Scheduler
@@ -186,7 +187,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher)
     staging = await trio.to_thread.run_sync(prepare_staging, config)
     ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)
-    options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"}
+    options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"} | mount_options(config)
     try:
         pyfuse3.init(ops, str(mountpoint), options)
     except BaseException:
@@ -211,6 +212,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
                         pyfuse3.terminate()
                         return
 
+            await metrics.start(n, config, ops.statistics_document)   # [metrics] listen (off by default): Prometheus
             await n.start(pool.run)          # store health: probes stores marked down until they answer
             n.start_soon(announce)
             n.start_soon(on_signal)
