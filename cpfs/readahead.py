@@ -2,7 +2,8 @@
 the reader will read, not the rest of the file.
 
 Per open file a `FileReader` follows what the reader does, along the file's *plan* (with a tensor index:
-the order a loader reads it, i.e. the zip directory and data.pkl, then the storages in pickle order; the
+the order a loader reads it, i.e. the zip directory and data.pkl, then the storages in pickle order,
+each after the chunk of its zip header when that lies outside every tensor; the
 safetensors header, then the tensors by name, as `safe_open().keys()` lists them; a safetensors file is
 also followed in file order, for `cat`). Without an index the plan is file order.
 - At open it prefetches only the *head*, what every loader reads first (zip directory, data.pkl and the
@@ -138,7 +139,22 @@ def layout_for(manifest: Manifest, index: TensorIndex | None) -> Layout:
         for i in manifest.chunk_range(offset, length):
             head.setdefault(i, None)
             seen.setdefault(i, None)
+    # Chunks outside every tensor and the head (a torch record's zip header between two records) go
+    # just before the tensor that follows them in the file: a loader reads a record's header, then its
+    # data, and `cat` reads them in that order too, so neither looks like a jump.
+    covered = set(head)
     for r in loader:
+        covered.update(manifest.chunk_range(*r))
+    gaps: dict[tuple[int, int], list[int]] = {}
+    starts = [o for o, _ in by_offset]
+    offsets = manifest.offsets
+    for i in range(n):
+        k = bisect.bisect_left(starts, offsets[i + 1])      # the first tensor at or after the chunk's end
+        if i not in covered and k < len(by_offset):
+            gaps.setdefault(by_offset[k], []).append(i)
+    for r in loader:
+        for i in gaps.get(r, ()):
+            seen.setdefault(i, None)
         for i in manifest.chunk_range(*r):
             seen.setdefault(i, None)
     for i in range(n):
