@@ -11,6 +11,9 @@ Cases (`--cases`, default all), each a function returning rows, run in this orde
 - remote:  3 folder stores throttled at 5 ms / 400 MiB/s: cold torch.load and 1 MiB sequential reads
            against the floor size / aggregate bandwidth (fetched/size from the mount's statistics).
 - stores:  the 1-2-4-8 store series (replicas min(2, N)), cold sequential reads, speed vs 1 store.
+           The stores of these two cases live in `--remote-dir` (default /dev/shm when memory allows):
+           a remote store's bytes do not come from this machine's disk, so only the simulated latency
+           and bandwidth limit them, not the local disk (which reads ~400-700 MiB/s cold here).
 - saves:   torch.save through the mount (returns once committed) vs local disk + fsync
            (benchmarks/bench_save.py's timed child).
 - partial: bytes fetched vs read for partial loads (benchmarks/bench_partial.py, its own checkpoint).
@@ -24,7 +27,7 @@ fetched / read (lower is better). The chart (`--chart`, default bench.png) draws
 
     python -m benchmarks.bench [--size 1GiB] [--repeat 3] [--cases loads,peers,remote,stores,saves,partial]
                                [--latency 5ms] [--bandwidth 400MiB/s] [--series 1,2,4,8] [--chart PATH]
-                               [--json PATH] [--workdir DIR] [--keep]
+                               [--json PATH] [--workdir DIR] [--remote-dir DIR] [--keep]
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ class Ctx:
     """What every case gets: the arguments, the work folder, the checkpoint and its safetensors twin."""
     args: argparse.Namespace
     work: Path
+    remote: Path            # where the remote-like stores live (see --remote-dir)
     pt: Path
     st: Path
     size: int
@@ -290,7 +294,10 @@ def case_remote(ctx: Ctx) -> list[Row]:
     """3 throttled stores: cold torch.load and sequential reads against size / aggregate bandwidth."""
     from cpfs.config import parse_rate
 
-    cfg = ctx.work / "fast" / "remote.toml"
+    put = write_store_config(ctx.remote / "remote", stores=3, replicas=2, name="put.toml")
+    cfg = write_store_config(ctx.remote / "remote", stores=3, replicas=2, name="remote.toml",
+                             latency=ctx.args.latency, bandwidth=ctx.args.bandwidth)
+    ensure_imported(ctx.pt, DEST_PT, put, verbose=False)
     floor = ctx.size / (3 * parse_rate(ctx.args.bandwidth))
     t: dict[str, list[float]] = defaultdict(list)
     fetched: dict[str, list[float]] = defaultdict(list)
@@ -320,7 +327,7 @@ def case_stores(ctx: Ctx) -> list[Row]:
     bw = parse_rate(ctx.args.bandwidth)
     configs = {}
     for n in ctx.args.series:
-        folder = ctx.work / f"series-{n}"
+        folder = ctx.remote / f"series-{n}"
         put = write_store_config(folder, stores=n, replicas=min(2, n), name="put.toml")
         configs[n] = write_store_config(folder, stores=n, replicas=min(2, n), name="read.toml",
                                         latency=ctx.args.latency, bandwidth=ctx.args.bandwidth)
@@ -509,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint size of the partial-load case (default: --size)")
     p.add_argument("--chart", type=Path, default=ROOT / "bench.png", help="the PNG chart (default bench.png)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--remote-dir", type=Path, help="where the stores of the remote and stores cases go "
+                   "(default /dev/shm if it and the memory have room, else the work folder)")
     p.add_argument("--workdir", type=Path, help="where the temporary stores and mounts go (default /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the work folder (stores, configs, daemon logs)")
     args = p.parse_args(argv)
@@ -527,6 +536,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbench: {time.monotonic() - t0:.0f} s in all")
 
 
+def _memory_allows(folder: Path, nbytes: int) -> bool:
+    """`folder` is a tmpfs with `nbytes` free, and the machine has that much memory available."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        return folder.is_dir() and shutil.disk_usage(folder).free >= nbytes and available >= nbytes
+    except (OSError, StopIteration, ValueError):
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     pt, st = checkpoint(args.size)
     size = pt.stat().st_size
@@ -542,16 +561,21 @@ def run(args: argparse.Namespace) -> int:
         remove_tree(work)
         raise BenchError(f"{work}: {human(free)} free, this run needs about {human(need)}; use --workdir or --size")
     (work / "logs").mkdir()
-    ctx = Ctx(args, work, pt, st, size)
+    remote = work
+    need_remote = size * (2 * ("remote" in args.cases) + (1 + 2 * (len(args.series) - 1)) * ("stores" in args.cases))
+    where = args.remote_dir or (Path("/dev/shm") if _memory_allows(Path("/dev/shm"), need_remote + 4 * size) else None)
+    if need_remote and where is not None:
+        where.mkdir(parents=True, exist_ok=True)
+        remote = Path(tempfile.mkdtemp(prefix="cpfs-bench-remote-", dir=where))
+    ctx = Ctx(args, work, remote, pt, st, size)
+    print(f"remote-like stores in {remote}")
     print(f"work folder {work}; checkpoint {pt} ({human(size)}) and {st.name}; cases {', '.join(args.cases)}; "
           f"{args.repeat} round(s)")
     rows: list[Row] = []
     failed: list[str] = []
     try:
-        if {"loads", "peers", "remote"} & set(args.cases):
+        if {"loads", "peers"} & set(args.cases):
             fast = write_store_config(work / "fast", stores=3, replicas=2)
-            write_store_config(work / "fast", stores=3, replicas=2, name="remote.toml", latency=args.latency,
-                               bandwidth=args.bandwidth)
             ensure_imported(pt, DEST_PT, fast)
             ensure_imported(st, DEST_ST, fast)
         for case in args.cases:
@@ -566,9 +590,11 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(Row(case, "(failed)", None, None, "", note=str(e).splitlines()[0][:80]))
     finally:
         if args.keep:
-            print(f"kept {work}")
+            print(f"kept {work}" + (f" and {remote}" if remote != work else ""))
         else:
             remove_tree(work)
+            if remote != work:
+                remove_tree(remote)
     report(rows, ctx)
     chart(rows, args.chart, ctx)
     print(f"\nchart: {args.chart}")
