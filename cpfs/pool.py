@@ -8,8 +8,9 @@ The pool holds replica policy, nothing about any one kind of store:
   after every store that is up (reads try it last), writes and single-store requests to it fail at
   once, and `run()` probes it (`check()`) in the background until it answers;
 - reads go through one replica iterator (`_read_replicas`): ranked replicas in turn, and *hedged*: a
-  read slower than its store's recent p95 (bounded by `hedge_min`/`hedge_max`) also asks the next
-  replica, the first answer wins and the other is cancelled; at most `hedges` hedges are in flight.
+  read slower than its store's recent p95 (bounded by `hedge_min`/`hedge_max`), and slower than the
+  reads queued ahead of it on that store explain (saturated links are not a reason to hedge), also asks
+  the next replica, the first answer wins and the other is cancelled; at most `hedges` in flight.
   A read cancelled that way counts twice its elapsed time as a latency sample, so a hung or
   straggling store sinks in the ranking instead of costing a hedge delay on every read;
 - writes go through one fan-out with quorum (`_put_quorum`). With `write_quorum` < the targets, a write
