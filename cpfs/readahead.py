@@ -263,7 +263,7 @@ class FileReader:
             self.pref.append(pref)
         self._head = frozenset(self.layout.head)
         self._unit_starts = [u.offset for u in self.layout.units]
-        self._loader_rank = {u: k for k, u in enumerate(self.layout.loader_units)}
+        self._loader_rank = {self.layout.units[u]: k for k, u in enumerate(self.layout.loader_units)}
         self.initial = cfg.readahead_initial
         self.slack = cfg.read_ahead_kb * 1024     # the kernel reads this far past what the reader touches
         self.max_window = cfg.readahead_max
@@ -638,7 +638,7 @@ class FileReader:
     def _predict(self, u: Unit, at: float) -> None:
         """The reader reads the slice starting `at` through each tensor: fetch that slice of the next
         few tensors in loader order, its first chunk held (the landing shows)."""
-        rank = self._loader_rank.get(self.layout.units.index(u)) if u in self.layout.units else None
+        rank = self._loader_rank.get(u)
         if rank is None:
             return
         ahead = self.layout.loader_units[rank + 1:rank + 1 + SLICE_AHEAD]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import trio
 
@@ -44,6 +44,19 @@ class Capacity:
     total: int
     free: int
     shared: str = ""
+
+
+class Sized(Generic[T]):
+    """A `get_with` fn that remembers the size of the object it was given: for wrappers that count
+    or pace the bytes of a read whose object they never hold."""
+
+    def __init__(self, fn: Callable[[bytes | memoryview], T]) -> None:
+        self.fn = fn
+        self.size = 0
+
+    def __call__(self, data: bytes | memoryview) -> T:
+        self.size = len(data)
+        return self.fn(data)
 
 
 class Store(abc.ABC):

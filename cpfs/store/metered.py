@@ -15,7 +15,7 @@ from typing import TypeVar
 import trio
 
 from ..errors import StoreError
-from .base import ObjectInfo, Store, StoreWrapper
+from .base import ObjectInfo, Sized, Store, StoreWrapper
 
 T = TypeVar("T")
 EWMA_WEIGHT = 0.2       # weight of the newest latency sample
@@ -95,16 +95,10 @@ class MeteredStore(StoreWrapper):
         return data
 
     async def get_with(self, key: str, fn: Callable[[bytes | memoryview], T], limiter: trio.CapacityLimiter) -> T:
-        size = 0
-
-        def measured(data: bytes | memoryview) -> T:
-            nonlocal size
-            size = len(data)
-            return fn(data)
-
+        sized = Sized(fn)
         with _Request(self, fetch=True):
-            result = await self.inner.get_with(key, measured, limiter)
-        self.bytes_read += size
+            result = await self.inner.get_with(key, sized, limiter)
+        self.bytes_read += sized.size
         return result
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import trio
 
-from .base import ObjectInfo, Store, StoreWrapper
+from .base import ObjectInfo, Sized, Store, StoreWrapper
 
 T = TypeVar("T")
 
@@ -39,15 +39,9 @@ class ThrottledStore(StoreWrapper):
 
     async def get_with(self, key: str, fn: Callable[[bytes | memoryview], T], limiter: trio.CapacityLimiter) -> T:
         start = trio.current_time()
-        size = 0
-
-        def measured(data: bytes | memoryview) -> T:
-            nonlocal size
-            size = len(data)
-            return fn(data)
-
-        result = await self.inner.get_with(key, measured, limiter)
-        await self._delay(start, size)
+        sized = Sized(fn)
+        result = await self.inner.get_with(key, sized, limiter)
+        await self._delay(start, sized.size)
         return result
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
