@@ -18,17 +18,28 @@ Invariants, and why:
   chunks stay until a garbage collector frees them.
 Format-1 stores (one `manifests/<path hash>.json` per path, overwritten in place) are migrated to
 version keys when a full listing meets them.
+
+Transactions: several paths changed as one commit (a folder rename, a hard link: `transact`). Each of
+their versions is written under a key that names the transaction,
+`<version>.<writer>.<state>.<txn>.json`, and counts for nothing until the transaction's record
+`txns/<txn>.json` exists on some store; the record is written only once every version is durable
+(the commit point). So a crash before it leaves every path as it was, and after it every path changed.
+Invariant: a full listing reads `txns/` *before* `manifests/`, so a transaction it finds committed had
+all its versions written before its manifests were listed: a listing shows every path of a transaction
+old or every path new, never a mix. A transaction's versions are taken back (deleted) only by the
+writer whose commit failed; a record stays while a version names it (`cpfs gc` removes it after).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,13 +49,17 @@ from .errors import ManifestError, NoSuchObject, NotFound, StoreError, StoreUnav
 from .manifest import SUMMARY_MAX, Manifest, Summary, path_hash
 from .placement import place
 from .pool import StorePool
+from .upload import in_parallel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T", Manifest, Summary)
 PREFIX = "manifests/"
 WRITER_ID = secrets.token_hex(8)          # this process: breaks ties between commits of one version
 HOST = socket.gethostname()
-_KEY = re.compile(r"manifests/([0-9a-f]{40})/([0-9]{20})\.([0-9a-f]{0,32})\.(ok|failed|deleted)\.json")
+_KEY = re.compile(r"manifests/([0-9a-f]{40})/([0-9]{20})\.([0-9a-f]{0,32})\.(ok|failed|deleted)"
+                  r"(?:\.([0-9a-f]{16}))?\.json")
+TXN_PREFIX = "txns/"
+_TXN_KEY = re.compile(r"txns/([0-9a-f]{16})\.json")
 _LEGACY = re.compile(r"manifests/([0-9a-f]{40})\.json")
 _FETCHES = 32                             # summaries read at once by a full listing
 _KEEP_PARSED = 256                        # full manifests kept parsed (the namespace keeps its own)
@@ -58,6 +73,7 @@ class VersionRef:
     writer: str
     state: str
     key: str
+    txn: str = ""           # the transaction it belongs to: it counts once that has committed
 
     @property
     def order(self) -> tuple[int, str]:
@@ -66,11 +82,15 @@ class VersionRef:
     @classmethod
     def parse(cls, key: str) -> "VersionRef | None":
         m = _KEY.fullmatch(key)
-        return cls(m[1], int(m[2]), m[3], m[4], key) if m else None
+        return cls(m[1], int(m[2]), m[3], m[4], key, m[5] or "") if m else None
 
     @staticmethod
-    def key_of(h: str, version: int, writer: str, state: str) -> str:
-        return f"{PREFIX}{h}/{version:020d}.{writer}.{state}.json"
+    def key_of(h: str, version: int, writer: str, state: str, txn: str = "") -> str:
+        return f"{PREFIX}{h}/{version:020d}.{writer}.{state}{'.' + txn if txn else ''}.json"
+
+
+def txn_key(txn: str) -> str:
+    return f"{TXN_PREFIX}{txn}.json"
 
 
 @dataclass(frozen=True)
@@ -99,11 +119,13 @@ class CatalogStats:
     commits: int
     failed_commits: int     # commits that did not reach write_quorum
     retired: int            # old versions deleted
+    transactions: int       # multi-path commits (folder renames, hard links) committed here
 
 
-def current_of(refs: list[VersionRef]) -> VersionRef | None:
-    """The version that is the path now (None: never committed), by key names alone."""
-    live = [r for r in refs if r.state != "failed"]
+def current_of(refs: list[VersionRef], committed: Container[str] = ()) -> VersionRef | None:
+    """The version that is the path now (None: never committed), by key names alone and the
+    transactions known to have committed."""
+    live = [r for r in refs if r.state != "failed" and (not r.txn or r.txn in committed)]
     return max(live, key=lambda r: r.order) if live else None
 
 
@@ -116,13 +138,15 @@ class Catalog:
         self._parsed: OrderedDict[str, Manifest] = OrderedDict()     # LRU of whole manifests
         self._summaries: dict[str, Summary] = {}
         self._highest: dict[str, int] = {}        # path hash -> highest version seen or committed here
+        self._txns: set[str] = set()              # transactions known to have committed (they stay so)
         self._listings = self._fetched = self._read_summaries = 0
         self._commits = self._failed = self._retired = 0
+        self._transactions = 0
 
     def statistics(self) -> CatalogStats:
         return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
                             cached=len(self._summaries), commits=self._commits, failed_commits=self._failed,
-                            retired=self._retired)
+                            retired=self._retired, transactions=self._transactions)
 
     # -- reading ---------------------------------------------------------------------------------
     async def _list(self, prefix: str) -> dict[str, list[str]]:
@@ -206,17 +230,26 @@ class Catalog:
         return await self._fetch(s.key, s.stores or self.pool.names)
 
     async def _refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]]]:
+        """Every version key of a path (those of uncommitted transactions too: they take version
+        numbers), having learned whether the transactions they name committed."""
         h = path_hash(path)
         where = await self._list(f"{PREFIX}{h}/")
         refs = [r for r in map(VersionRef.parse, where) if r is not None]
         if refs:
             self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
+        for txn in {r.txn for r in refs if r.txn and r.txn not in self._txns}:
+            if await self._list(txn_key(txn)):
+                self._txns.add(txn)
         return refs, where
+
+    def _counts(self, ref: VersionRef) -> bool:
+        """Not part of a transaction that has not committed (or is still committing)."""
+        return not ref.txn or ref.txn in self._txns
 
     async def current(self, path: str) -> Summary:
         """The current version's summary; NotFound if there is none, ManifestError if unreadable."""
         refs, where = await self._refs(path)
-        cur = current_of(refs)
+        cur = current_of(refs, self._txns)
         if cur is None or cur.state == "deleted":
             raise NotFound(f"no file {path!r}")
         s = await self._summary(cur.key, where[cur.key])
@@ -231,7 +264,8 @@ class Catalog:
     async def history(self, path: str) -> list[VersionInfo]:
         """Every kept version, newest first."""
         refs, where = await self._refs(path)
-        cur = current_of(refs)
+        refs = [r for r in refs if self._counts(r)]
+        cur = current_of(refs, self._txns)
         out: list[VersionInfo] = []
         for r in sorted(refs, key=lambda r: r.order, reverse=True):
             try:
@@ -252,6 +286,8 @@ class Catalog:
     async def load_all(self) -> dict[str, Summary | Unreadable]:
         """Every path that exists now -> its current version's summary (or Unreadable). Unreadable
         stores are logged and skipped as long as some store answers."""
+        known = set(self._txns)          # committed before the listings: known to this snapshot
+        committed = known | await self.committed_transactions()   # before manifests: see the module doc
         where = await self._list(PREFIX)
         by_hash: dict[str, list[VersionRef]] = {}
         legacy = []
@@ -270,7 +306,7 @@ class Catalog:
 
         async def one(h: str, refs: list[VersionRef]) -> None:
             self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
-            cur = current_of(refs)
+            cur = current_of(refs, committed)
             if cur is None or cur.state == "deleted":
                 return
             async with limiter:
@@ -283,7 +319,7 @@ class Catalog:
                 # The path comes from an older version we can read, if any: the file is shown, and
                 # opening it says what is wrong, rather than the file silently going back in time.
                 for r in sorted(refs, key=lambda r: r.order, reverse=True):
-                    if r != cur:
+                    if r != cur and (not r.txn or r.txn in committed):
                         try:
                             path = (await self._summary(r.key, where[r.key])).path
                         except ManifestError:
@@ -297,6 +333,12 @@ class Catalog:
             for h, refs in by_hash.items():
                 n.start_soon(one, h, refs)
         return out
+
+    async def committed_transactions(self) -> set[str]:
+        """The transactions whose record some store lists (and those already known)."""
+        listed = {m[1] for key in await self._list(TXN_PREFIX) if (m := _TXN_KEY.fullmatch(key))}
+        self._txns |= listed
+        return listed
 
     async def _migrate(self, key: str, where: dict[str, list[str]]) -> VersionRef | None:
         """Copy a format-1 manifest to its version key on the stores that hold it, then drop the old key."""
@@ -346,31 +388,96 @@ class Catalog:
         await self._tombstone(m)
 
     async def move(self, manifest: Manifest, path: str) -> Manifest:
-        """Commit `manifest` under a new path, then remove the old path. A crash in between leaves both
-        paths, never neither."""
-        moved = await self.commit(dataclasses.replace(manifest, path=path))
-        await self._tombstone(manifest)
+        """Commit `manifest` under a new path and remove the old path, as one transaction."""
+        moved, = await self.transact([dataclasses.replace(manifest, path=path)], [manifest])
         return moved
+
+    async def transact(self, writes: Sequence[Manifest], removes: Sequence[Manifest] = ()) -> list[Manifest]:
+        """Commit `writes` and remove the paths of `removes` all at once (see the module doc): returns
+        the committed versions of `writes`, in order. On failure (a StoreError, or cancellation) no
+        path has changed."""
+        plan = [(m, "ok") for m in writes] + [(self._tomb(m), "deleted") for m in removes]
+        paths = [m.path for m, _ in plan]
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"a transaction changes each path once: {sorted(paths)}")
+        if len(plan) == 1:
+            m, state = plan[0]
+            return [await self._commit(m, state, "")][:len(writes)]
+        txn = secrets.token_hex(8)
+        written: list[tuple[list[str], str]] = []      # (stores, key) to take back on failure
+
+        async def stage(item: tuple[Manifest, str]) -> tuple[Manifest, VersionRef, list[VersionRef],
+                                                               dict[str, list[str]]]:
+            refs, where = await self._listed_refs(item[0].path)
+            new, ref, targets = self._next(item[0], refs, item[1], "", txn)
+            written.append((targets, ref.key))
+            where[ref.key] = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
+            return new, ref, refs, where
+
+        record = json.dumps({"txn": txn, "writer": self._writer, "host": HOST, "committed_ns": time.time_ns(),
+                             "paths": paths}).encode()
+        try:
+            staged = await in_parallel(stage, plan, _FETCHES)
+            targets = place(txn, self.pool.names, self._cfg.replicas)
+            written.append((targets, txn_key(txn)))
+            await self.pool.put_quorum(targets, txn_key(txn), record, self._cfg.write_quorum)   # commit point
+        except BaseException:
+            self._failed += 1
+            with trio.CancelScope(shield=True):       # record first: then no reader counts the rest
+                for stores, key in reversed(written):
+                    async with trio.open_nursery() as n:
+                        for name in stores:
+                            n.start_soon(self._delete_quietly, name, key)
+            raise
+        self._txns.add(txn)
+        self._transactions += 1
+        committed: dict[str, Manifest] = {}
+        for new, ref, refs, where in staged:
+            self._took(new, ref, where[ref.key], where)
+            committed[new.path] = new
+            await self._retire([*refs, ref], where)
+        return [committed[m.path] for m in writes]
 
     async def restore(self, path: str, version: int) -> Manifest:
         """Make an old version current again, as a new commit (so a restore is itself undoable)."""
         old = await self.get_version(path, version)
         return await self.commit(dataclasses.replace(old, reason=""))
 
-    async def _tombstone(self, m: Manifest) -> None:
-        await self._commit(dataclasses.replace(m, size=0, chunks=(), tensor_index=None), "deleted", "")
+    @staticmethod
+    def _tomb(m: Manifest) -> Manifest:
+        return dataclasses.replace(m, size=0, chunks=(), tensor_index=None)
 
-    async def _commit(self, manifest: Manifest, state: str, reason: str) -> Manifest:
-        h = path_hash(manifest.path)
+    async def _tombstone(self, m: Manifest) -> None:
+        await self._commit(self._tomb(m), "deleted", "")
+
+    async def _listed_refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]]]:
         try:
-            refs, where = await self._refs(manifest.path)
+            return await self._refs(path)
         except StoreError as e:
-            raise StoreUnavailable(e.store, f"cannot list the versions of {manifest.path}: {e.detail}") from None
+            raise StoreUnavailable(e.store, f"cannot list the versions of {path}: {e.detail}") from None
+
+    def _next(self, manifest: Manifest, refs: list[VersionRef], state: str, reason: str,
+              txn: str = "") -> tuple[Manifest, VersionRef, list[str]]:
+        """The path's next version: the manifest to store, its key, and the stores it goes to."""
+        h = path_hash(manifest.path)
         version = max([r.version for r in refs] + [self._highest.get(h, 0)]) + 1
         new = dataclasses.replace(manifest, version=version, writer=self._writer, host=HOST,
                                   committed_ns=time.time_ns(), state=state, reason=reason)
-        ref = VersionRef(h, version, self._writer, state, VersionRef.key_of(h, version, self._writer, state))
-        targets = place(h, self.pool.names, self._cfg.replicas)
+        ref = VersionRef(h, version, self._writer, state, VersionRef.key_of(h, version, self._writer, state, txn),
+                         txn)
+        return new, ref, place(h, self.pool.names, self._cfg.replicas)
+
+    def _took(self, new: Manifest, ref: VersionRef, held: list[str], where: dict[str, list[str]]) -> None:
+        """A version committed: remember it (keys are immutable)."""
+        self._commits += 1
+        self._highest[ref.path_hash] = max(self._highest.get(ref.path_hash, 0), ref.version)
+        self._parsed[ref.key] = new
+        self._summaries[ref.key] = new.summary
+        where[ref.key] = held
+
+    async def _commit(self, manifest: Manifest, state: str, reason: str) -> Manifest:
+        refs, where = await self._listed_refs(manifest.path)
+        new, ref, targets = self._next(manifest, refs, state, reason)
         try:
             held = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
         except StoreError:
@@ -382,11 +489,7 @@ class Catalog:
                     for name in targets:
                         n.start_soon(self._delete_quietly, name, ref.key)
             raise
-        self._commits += 1
-        self._highest[h] = version
-        self._parsed[ref.key] = new
-        self._summaries[ref.key] = new.summary
-        where[ref.key] = held
+        self._took(new, ref, held, where)
         await self._retire([*refs, ref], where)
         return new
 
@@ -396,7 +499,8 @@ class Catalog:
         keep = self._cfg.keep_versions
         ok = failed = 0
         doomed = []
-        for r in sorted(refs, key=lambda r: r.order, reverse=True):
+        # A transaction's version that does not count yet may be one still committing: never retired.
+        for r in sorted(filter(self._counts, refs), key=lambda r: r.order, reverse=True):
             if ok >= keep or (r.state == "failed" and failed >= keep):
                 doomed.append(r)
             elif r.state == "ok":

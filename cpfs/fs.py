@@ -770,7 +770,20 @@ class CpfsOperations(pyfuse3.Operations):
                 raise (IsADirectory if t.is_dir else NotADirectory)(f"{t.path}: cannot replace")
             if t.is_dir and t.children:
                 raise NotEmpty(f"{t.path}: not empty")
-        with self._changing(node.path, posixpath.join(new_parent.path, new_name)):
+        old_path, new_path = node.path, posixpath.join(new_parent.path, new_name)
+        with self._changing(old_path, new_path):
+            # One transaction for the file, or the folder and every committed name below it: another
+            # mount sees the old tree or the new one, never a mix, and a failure changes nothing.
+            now = time.time_ns()
+            moving = [f for f in self.ns.walk(node) if f.summary is not None]
+            old = [await self._manifest(f) for f in moving]
+            new = [dataclasses.replace(m, path=new_path + f.path[len(old_path):],
+                                       **({"ctime_ns": now} if f is node else {}))   # as on Linux
+                   for f, m in zip(moving, old)]
+            if (not self.ns.is_current(node) or node.path != old_path
+                    or new_parent.children.get(new_name) != target):
+                raise pyfuse3.FUSEError(errno.EAGAIN)     # changed while the manifests were read
+            committed = await self.catalog.transact(new, old) if moving else []
             if t is not None:
                 # A committed target stays on the stores until something commits under its name: the
                 # renamed file's move, or (never committed yet) its first commit. If that never comes,
@@ -782,13 +795,9 @@ class CpfsOperations(pyfuse3.Operations):
             old_parent = self.ns.parent(node)
             self.ns.move(node, new_parent, new_name)
             self._entries_changed(old_parent, new_parent)
-            now = time.time_ns()
-            for f in self.ns.walk(node):        # committed folders move like files
-                if f.summary is not None:
-                    m = await self._manifest(f)
-                    if f is node:
-                        m = dataclasses.replace(m, ctime_ns=now)   # a rename changes the ctime, as on Linux
-                    f.set_version(await self.catalog.move(m, f.path))
+            for f, m in zip(moving, committed):
+                f.set_version(m)
+            for f in self.ns.walk(node):
                 w = self.writing.get(f.ino)
                 if w is not None:
                     w.session.path = f.path

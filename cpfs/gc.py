@@ -14,6 +14,9 @@ chunk in between, when nothing names it yet. So gc
   3. only then lists the chunks with their mtimes, and deletes each one that is not in R and older than
      the cutoff with `delete_if_older(cutoff)`, which judges the age again at the moment of deletion;
      then the temporary files older than the cutoff.
+Transaction records (cpfs/catalog.py) are listed before the manifests, and one that no listed version
+names is deleted: all of a transaction's versions are written before its record, so a record listed
+first whose versions are not in the listing that follows has had them all retired.
 
 Invariant: from the moment a commit checks a chunk copy until it writes its manifest at t_m, the copy's
 mtime is after t_m - grace. Mounts keep it: dedup touches a copy it reuses when the copy is older than
@@ -60,6 +63,7 @@ from typing import Any
 
 import trio
 
+from .catalog import TXN_PREFIX, VersionRef, txn_key
 from .errors import ManifestError, NoSuchObject, StoreError
 from .manifest import Manifest
 from .pool import StorePool
@@ -101,6 +105,7 @@ class GcReport:
     referenced: int           # distinct chunks they name
     refused: str              # why nothing was deleted; "" if the sweep ran
     stores: tuple[StoreSweep, ...]
+    transactions: int = 0     # transaction records that no version names any more, deleted
 
     @property
     def freed_objects(self) -> int:
@@ -114,6 +119,7 @@ class GcReport:
         return {"dry_run": self.dry_run, "grace": self.grace, "manifests": self.manifests,
                 "referenced_chunks": self.referenced, "refused": self.refused or None,
                 "freed_objects": self.freed_objects, "freed_bytes": self.freed_bytes,
+                "transactions": self.transactions,
                 "stores": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.stores]}
 
     def lines(self, size: Callable[[float], str] = lambda n: f"{int(n)} B") -> list[str]:
@@ -130,7 +136,7 @@ class GcReport:
                        f"younger than the grace ({size(s.young_bytes)}); {s.chunks} chunks listed"
                        + (f"; {s.errors} requests failed" if s.errors else ""))
         out.append(f"{'would free' if self.dry_run else 'freed'} {self.freed_objects} objects, "
-                   f"{size(self.freed_bytes)}")
+                   f"{size(self.freed_bytes)}; {self.transactions} transaction records no version names")
         return out
 
 
@@ -167,12 +173,15 @@ class GarbageCollector:
     async def run(self) -> GcReport:
         """The three steps of the module doc, or a refusal after the second."""
         cutoff = time.time() - self.grace               # before any listing: see the invariant
-        referenced, read, problems = await self._references()
+        records, problems = await self._list([TXN_PREFIX])      # before the manifests: see the doc
+        referenced, read, named, more = await self._references()
+        problems += more
         report = dict(grace=self.grace, dry_run=self.dry_run, manifests=read, referenced=len(referenced))
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             log.error("gc refused, nothing deleted: %s", shown)
             return GcReport(**report, refused=shown, stores=())
+        report["transactions"] = await self._drop_records(records, named)
         tallies = {name: _Tally(name) for name in self.pool.names}
         async with trio.open_nursery() as n:
             for name in self.pool.names:
@@ -197,12 +206,26 @@ class GarbageCollector:
         out = await fan_out(one, self.pool.names, catch=StoreError)
         return where, [f"store {name!r}: cannot list the manifests: {e.detail}" for name, e in out.errors]
 
-    async def _references(self) -> tuple[set[str], int, list[str]]:
-        """The digests every kept version names, how many versions were read, and the problems that
-        forbid deleting anything."""
+    async def _drop_records(self, records: dict[str, list[str]], named: set[str]) -> int:
+        """Delete the transaction records no listed version names; how many."""
+        unnamed = [k for k in records if k not in {txn_key(t) for t in named}]
+        if self.dry_run:
+            return len(unnamed)
+        for key in unnamed:
+            for name in records[key]:
+                try:
+                    await self.pool.delete(name, key)
+                except StoreError as e:
+                    log.warning("gc: could not delete %s on store %r: %s", key, name, e)
+        return len(unnamed)
+
+    async def _references(self) -> tuple[set[str], int, set[str], list[str]]:
+        """The digests every kept version names, how many versions were read, the transactions the
+        listed versions name, and the problems that forbid deleting anything."""
         referenced: set[str] = set()
         done: set[str] = set()
         where, problems = await self._list([MANIFESTS])
+        named = {r.txn for r in map(VersionRef.parse, where) if r is not None and r.txn}
         for _ in range(_RELISTS):
             if problems or not where:
                 break
@@ -222,12 +245,13 @@ class GarbageCollector:
             log.info("gc: %d versions were retired while gc read them: listing their folders again",
                      len(vanished))
             where, problems = await self._list(sorted(vanished))
+            named |= {r.txn for r in map(VersionRef.parse, where) if r is not None and r.txn}
             where = {k: v for k, v in where.items() if k not in done}
         else:
             if where and not problems:
                 problems.append("versions kept vanishing while gc read them (commits are retiring them): "
                                 "try again")
-        return referenced, len(done), problems
+        return referenced, len(done), named, problems
 
     async def _read(self, key: str, names: Sequence[str], problems: list[str]) -> Manifest | None:
         """The version under `key` from the first store with a copy that parses; None if every store

@@ -185,6 +185,7 @@ class Scrubber:
             scope = []                                # the root: everything
         self._t.add("stores", len(self._pool.names))
         self._t.phase = "listing"
+        committed = await self._catalog.committed_transactions()    # before the manifests (catalog doc)
         groups = await self._groups()
         if scope:
             groups = await self._in_scope(groups, scope)
@@ -192,7 +193,7 @@ class Scrubber:
         self._t.add("versions", sum(len(g) for g in groups.values()))
         self._t.phase = "manifests"
         for versions in groups.values():
-            cur = current_of([v.ref for v in versions])
+            cur = current_of([v.ref for v in versions], committed)
             for v in versions:
                 v.current = v.ref == cur
         await self._each([v for g in groups.values() for v in g], lambda v: self._check_version(v, repair))

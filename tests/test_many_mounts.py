@@ -1,6 +1,7 @@
 """Several daemons over the same stores, as several nodes would mount them."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 
 from tests.conftest import cpfs
 
@@ -118,3 +120,68 @@ def test_empty_folders_are_committed_and_seen_by_every_mount(make_config, tmp_pa
     cpfs("rm", "-r", "/runs", config=cfg)
     assert wait_for(lambda: "runs" not in os.listdir(a.path) and "runs" not in os.listdir(b.path))
     assert not (a.path / "runs").exists()
+
+
+def test_a_folder_rename_is_one_commit_that_other_mounts_see_whole(make_config, tmp_path, mount):
+    """`mv run/tmp_step run/step_100` of a 24-file checkpoint folder: every listing another node takes
+    meanwhile (a catalog over the same stores, listing as fast as it can) shows all of the files under
+    the old name or all under the new one, never some of each; then a mount sees the new tree."""
+    from cpfs.catalog import Catalog
+    from cpfs.config import load_config
+    from cpfs.pool import StorePool
+
+    cfg = config(make_config, tmp_path, "0.2s")
+    a, b = mount(cfg, "a"), mount(cfg, "b")
+    (a.path / "run" / "tmp_step" / "shards").mkdir(parents=True)
+    names = [f"shards/part_{i:02d}.bin" for i in range(20)] + ["meta.json", "model.pt", "optim.pt", "rng.pt"]
+    for n in names:
+        (a.path / "run" / "tmp_step" / n).write_bytes(n.encode() * 100)
+    seen: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        async def listings() -> None:
+            catalog = Catalog(StorePool(load_config(cfg)))
+            while not stop.is_set():
+                paths = await catalog.load_all()
+                seen.append((sum(p.startswith("/run/tmp_step/") for p in paths),
+                             sum(p.startswith("/run/step_100/") for p in paths)))
+        trio.run(listings)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert wait_for(lambda: len(seen) >= 3)
+        os.rename(a.path / "run" / "tmp_step", a.path / "run" / "step_100")
+        count = len(seen)
+        assert wait_for(lambda: len(seen) >= count + 3)
+    finally:
+        stop.set()
+        watcher.join()
+    whole = {(len(names) + 1, 0), (0, len(names) + 1)}     # and the folder `shards` (mkdir commits it)
+    assert set(seen) <= whole, f"a listing saw a mix: {sorted(set(seen) - whole)}"
+    assert seen[0] == (len(names) + 1, 0) and seen[-1] == (0, len(names) + 1)
+    assert wait_for(lambda: sorted(os.listdir(b.path / "run")) == ["step_100"])
+    for n in names:
+        assert (b.path / "run" / "step_100" / n).read_bytes() == n.encode() * 100
+
+
+def test_a_folder_rename_that_cannot_commit_changes_nothing(make_config, tmp_path, mount):
+    """When the transaction's record cannot be written (here: every store's `txns` is a file), mv fails
+    with EIO and the folder keeps its name and files, in this mount, another, and after a remount."""
+    cfg = config(make_config, tmp_path, "0.2s")
+    a = mount(cfg, "a")
+    (a.path / "run" / "tmp_step").mkdir(parents=True)
+    for i in range(3):
+        (a.path / "run" / "tmp_step" / f"f{i}.pt").write_bytes(b"%d" % i * 1000)
+    for store in (tmp_path / "cfg" / "stores").iterdir():
+        (store / "txns").write_text("not a folder")
+    with pytest.raises(OSError) as e:
+        os.rename(a.path / "run" / "tmp_step", a.path / "run" / "step_100")
+    assert e.value.errno == errno.EIO
+    assert sorted(os.listdir(a.path / "run")) == ["tmp_step"]
+    assert sorted(os.listdir(a.path / "run" / "tmp_step")) == ["f0.pt", "f1.pt", "f2.pt"]
+    b = mount(cfg, "b")
+    assert sorted(os.listdir(b.path / "run")) == ["tmp_step"]
+    assert (b.path / "run" / "tmp_step" / "f2.pt").read_bytes() == b"2" * 1000
+    assert "step_100" not in cpfs("ls", "/run", config=cfg, text=True).stdout
