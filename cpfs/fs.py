@@ -19,6 +19,13 @@ permissions itself (`default_permissions`), so no handler checks them. Versions 
 was stored show the mounting user. The root folder's attributes are this mount's own (never committed),
 and a folder's mtime and ctime also follow the names this mount adds and removes in it (not committed:
 another mount shows the folder's committed times).
+
+Renames and hard links change several paths, and do so in one transaction (Catalog.transact). A hard-
+linked file has one node and a manifest per name, all with one `link` id: every commit of it (a close,
+a chmod, a link, an unlink or rename of one name, which changes the others' ctime) writes all its
+names at once. Unlike other files, a hard-linked file committed elsewhere keeps its inode here and shows
+the newest of its names' versions in place (its pages dropped), since an inode with several names
+cannot be swapped for one name's new node.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import logging
 import math
 import os
 import posixpath
+import secrets
 import stat
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -175,10 +183,12 @@ class CpfsOperations(pyfuse3.Operations):
             if s.attributes.get("gid") is not None:
                 a.st_gid = s.attributes["gid"]
             a.st_size = s.size
+            a.st_nlink = len(node.names)
             mtime, ctime = s.mtime_ns, time.time_ns()
             atime = s.attributes.get("atime_ns") or mtime
             a.attr_timeout = 0
         else:
+            a.st_nlink = len(node.names)         # hard links
             a.st_mode = stat.S_IFREG | ((m.mode if m else 0o644) & 0o7777)
             if m is None:
                 mtime = ctime = atime = time.time_ns()
@@ -263,27 +273,47 @@ class CpfsOperations(pyfuse3.Operations):
                 continue
             if node.ino in self.writing:
                 continue
-            if _newer(m, node):
+            if node.aliases or (node.summary is not None and node.summary.link):
+                self._apply_linked(node, path, m)
+            elif _newer(m, node):
                 parent = self.ns.parent(node)
                 self.ns.replace(node, m)
                 self._invalidate(node.ino, parent.ino, node.name)
-        gone = [n for n in self.ns.nodes.values() if not n.is_dir and (n.summary is not None or n.broken)
-                and n.path not in manifests and n.ino not in self.writing and not changed_here(n.path)]
-        for node in gone:
-            self._drop(node)
+        gone = [(n, p) for n in list(self.ns.nodes.values()) if not n.is_dir and (n.summary is not None or n.broken)
+                and n.ino not in self.writing for p in n.names if p not in manifests and not changed_here(p)]
+        for node, path in gone:
+            self._drop(node, path)
         # Folders: a committed one removed elsewhere, or one that only held files removed elsewhere,
         # goes once empty (deepest first); a folder this mount is using keeps its name.
-        emptied = {d for g in gone for d in parent_dirs(g.path)}
+        emptied = {d for _, p in gone for d in parent_dirs(p)}
         folders = [n for n in self.ns.nodes.values() if n.is_dir and n.path != "/"]
         for node in sorted(folders, key=lambda n: -n.path.count("/")):
             if (not node.children and node.path not in manifests and not changed_here(node.path)
                     and (node.summary is not None or node.path in emptied)):
                 self._drop(node)
 
-    def _drop(self, node: Node) -> None:
-        parent = self.ns.parent(node)
-        self.ns.remove(node)
-        self._invalidate(node.ino, parent.ino, node.name)
+    def _apply_linked(self, node: Node, path: str, m: Summary | Unreadable) -> None:
+        """A listing's entry for one name of a hard-linked file: the same file newer (committed later
+        elsewhere: shown in place, as a folder's attributes are), or the name now leads elsewhere."""
+        if isinstance(m, Unreadable) or node.summary is None:
+            return
+        if m.link and m.link == node.summary.link:
+            if m.committed_ns > node.summary.committed_ns:
+                node.set_version(m)
+                self._invalidate(node.ino)
+            return
+        self._drop(node, path)
+        self.ns.add(m)
+
+    def _drop(self, node: Node, path: str | None = None) -> None:
+        """The node (a name of it: `path`) went elsewhere."""
+        path = path or node.path
+        parent = self.ns.parent_of(path)
+        if node.is_dir:
+            self.ns.remove(node)
+        else:
+            self.ns.remove_name(node, path)
+        self._invalidate(node.ino, parent.ino, posixpath.basename(path))
 
     def _invalidate(self, ino: int, parent: int | None = None, name: str | None = None) -> None:
         """Drop the kernel's cached pages/attributes (or name) of a file that changed elsewhere.
@@ -298,8 +328,8 @@ class CpfsOperations(pyfuse3.Operations):
         Only from open, during which the kernel holds no lock on the inode."""
         if not self.ns.is_current(node):
             raise pyfuse3.FUSEError(errno.ESTALE)   # a name looked up before the version changed
-        if node.summary is None or node.ino in self.writing:
-            return
+        if node.summary is None or node.ino in self.writing or node.summary.link:
+            return          # hard-linked files: each listing shows them newer in place (_apply_linked)
         now = trio.current_time()
         if now - self._checked.get(node.ino, -math.inf) < self.config.refresh:
             return
@@ -445,7 +475,7 @@ class CpfsOperations(pyfuse3.Operations):
                                    io_limiter=self._staging_io, replaces_checkpoint=replaces_checkpoint)
             if node.summary is not None:     # the next commit keeps owner, atime and xattrs
                 m = node.summary
-                session.attributes.update(uid=m.uid, gid=m.gid, atime_ns=m.atime_ns, xattrs=m.xattrs)
+                session.attributes.update(uid=m.uid, gid=m.gid, atime_ns=m.atime_ns, xattrs=m.xattrs, link=m.link)
             w = self.writing[node.ino] = Writing(session)
         elif truncate:
             await w.session.truncate(0)
@@ -521,8 +551,8 @@ class CpfsOperations(pyfuse3.Operations):
         w = self.writing.get(node.ino)
         if w is None or w.unlinked:
             return
-        w.session.path = node.path
-        with self._changing(node.path):
+        w.session.path, w.session.also = node.path, list(node.aliases)
+        with self._changing(*node.names):
             try:
                 manifest = await w.session.flush(closing=closing)
             except BaseException:
@@ -631,12 +661,16 @@ class CpfsOperations(pyfuse3.Operations):
                 node.set_version(await self.catalog.commit(dataclasses.replace(first, **changes)))
         else:
             raise ManifestError(f"{node.path}: {node.broken or 'not committed'}")
+        if node.is_dir and "mtime_ns" in changes:
+            node.entries_changed_ns = 0      # utimensat of a folder sets its mtime (cp -a, rsync -a)
 
     async def _rewrite(self, node: Node, **changes: Any) -> None:
-        """A new version with other attributes and the same chunks."""
+        """A new version with other attributes and the same chunks (under every name of the file, as
+        one transaction)."""
         m = await self._manifest(node)
-        with self._changing(node.path):
-            node.set_version(await self.catalog.commit(dataclasses.replace(m, **changes)))
+        with self._changing(*node.names):
+            committed = await self.catalog.transact([dataclasses.replace(m, path=p, **changes) for p in node.names])
+            node.set_version(committed[0])
 
     # -- extended attributes ("user." only; stored in the summary, see cpfs/manifest.py) -------------
     def _xattr_name(self, inode: int, name: bytes) -> str:
@@ -724,9 +758,15 @@ class CpfsOperations(pyfuse3.Operations):
 
     @boundary
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        parent = self.ns.node(parent_inode)
         node = self.ns.lookup(parent_inode, _name(name))
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
+        path = posixpath.join(parent.path, _name(name))
+        if node.aliases:
+            await self._unlink_name(node, path)
+            self._entries_changed(parent)
+            return
         with self._changing(node.path):
             if node.summary is not None or node.broken:
                 await self.catalog.remove(node.path)
@@ -735,6 +775,18 @@ class CpfsOperations(pyfuse3.Operations):
                 w.unlinked = True            # open handles keep working; nothing is committed
             self.ns.remove(node)
         self._entries_changed(self.ns.node(parent_inode))
+
+    async def _unlink_name(self, node: Node, path: str) -> None:
+        """One name of a hard-linked file goes, and its other names show the new ctime: one transaction."""
+        m = await self._manifest(node)
+        others = [p for p in node.names if p != path]
+        now = time.time_ns()
+        with self._changing(*node.names):
+            committed = await self.catalog.transact([dataclasses.replace(m, path=p, ctime_ns=now) for p in others],
+                                                    [dataclasses.replace(m, path=path)])
+            if path in node.names:
+                self.ns.remove_name(node, path)
+            node.set_version(committed[0])
 
     @boundary
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -754,6 +806,7 @@ class CpfsOperations(pyfuse3.Operations):
                      flags: int, ctx: pyfuse3.RequestContext) -> None:
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise pyfuse3.FUSEError(errno.EINVAL)
+        old_parent = self.ns.node(parent_inode_old)
         node = self.ns.lookup(parent_inode_old, _name(name_old))
         new_parent = self.ns.node(parent_inode_new)
         new_name = _name(name_new)
@@ -761,7 +814,7 @@ class CpfsOperations(pyfuse3.Operations):
             raise NotADirectory(f"{new_parent.path}: not a folder")
         target = new_parent.children.get(new_name)
         if target == node.ino:
-            return
+            return                 # two names of one file: nothing to do (POSIX)
         t = None if target is None else self.ns.node(target)
         if t is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:
@@ -770,37 +823,49 @@ class CpfsOperations(pyfuse3.Operations):
                 raise (IsADirectory if t.is_dir else NotADirectory)(f"{t.path}: cannot replace")
             if t.is_dir and t.children:
                 raise NotEmpty(f"{t.path}: not empty")
-        old_path, new_path = node.path, posixpath.join(new_parent.path, new_name)
-        with self._changing(old_path, new_path):
+        old_path, new_path = posixpath.join(old_parent.path, _name(name_old)), posixpath.join(new_parent.path, new_name)
+        linked = [*node.names, *(t.names if t is not None and not t.is_dir else [])]
+        with self._changing(old_path, new_path, *linked):
             # One transaction for the file, or the folder and every committed name below it: another
             # mount sees the old tree or the new one, never a mix, and a failure changes nothing.
             now = time.time_ns()
-            moving = [f for f in self.ns.walk(node) if f.summary is not None]
-            old = [await self._manifest(f) for f in moving]
-            new = [dataclasses.replace(m, path=new_path + f.path[len(old_path):],
+            moving = [(p, f) for p, f in self.ns.entries(node, old_path) if f.summary is not None]
+            old = [dataclasses.replace(await self._manifest(f), path=p) for p, f in moving]
+            new = [dataclasses.replace(m, path=new_path + p[len(old_path):],
                                        **({"ctime_ns": now} if f is node else {}))   # as on Linux
-                   for f, m in zip(moving, old)]
-            if (not self.ns.is_current(node) or node.path != old_path
-                    or new_parent.children.get(new_name) != target):
+                   for (p, f), m in zip(moving, old)]
+            # A renamed or replaced file's other names (hard links) show its new ctime.
+            touched = [dataclasses.replace(m, path=q, ctime_ns=now) for (p, f), m in zip(moving, old)
+                       if f is node for q in f.names if q != p]
+            replaced: list[Manifest] = []      # the target's other names, if it has some
+            if t is not None and not t.is_dir and t.aliases and t.summary is not None:
+                tm = await self._manifest(t)
+                replaced = [dataclasses.replace(tm, path=q, ctime_ns=now) for q in t.names if q != new_path]
+            if (old_path not in node.names and not node.is_dir) or not self.ns.is_current(node) \
+                    or (node.is_dir and node.path != old_path) or new_parent.children.get(new_name) != target:
                 raise pyfuse3.FUSEError(errno.EAGAIN)     # changed while the manifests were read
-            committed = await self.catalog.transact(new, old) if moving else []
+            committed = await self.catalog.transact(new + touched + replaced, old) if moving else []
             if t is not None:
                 # A committed target stays on the stores until something commits under its name: the
                 # renamed file's move, or (never committed yet) its first commit. If that never comes,
                 # the target is still there on the next refresh; nothing is lost to a crash meanwhile.
                 w = self.writing.get(t.ino)
-                if w is not None:
+                if w is not None and not t.aliases:
                     w.unlinked = True        # open handles keep working; nothing is committed
-                self.ns.remove(t)
-            old_parent = self.ns.parent(node)
-            self.ns.move(node, new_parent, new_name)
+                if t.is_dir:
+                    self.ns.remove(t)
+                else:
+                    self.ns.remove_name(t, new_path)
+                    if replaced and committed:
+                        t.set_version(committed[len(new) + len(touched)])   # its first name's version
+            self.ns.move(node, new_parent, new_name, old_path)
             self._entries_changed(old_parent, new_parent)
-            for f, m in zip(moving, committed):
+            for (_, f), m in zip(moving, committed):
                 f.set_version(m)
             for f in self.ns.walk(node):
                 w = self.writing.get(f.ino)
                 if w is not None:
-                    w.session.path = f.path
+                    w.session.path, w.session.also = f.path, list(f.aliases)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, _nlookup in inode_list:
@@ -834,11 +899,41 @@ class CpfsOperations(pyfuse3.Operations):
         special = {"special": kind, "rdev": rdev if kind in ("char", "block") else 0} if kind else {}
         return await self._create_committed(parent_inode, name, ctx, is_dir=False, mode=mode & 0o7777, **special)
 
-    async def _not_permitted(self, *args: Any) -> Any:
-        """Hard links are not stored: EPERM, as filesystems without them say."""
-        raise pyfuse3.FUSEError(errno.EPERM)
-
-    link = _not_permitted
+    @boundary
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        """A hard link: every name of the file gets the same manifest with one `link` id, in one
+        transaction (and so does every later commit of the file, see WriteSession.also). The kernel
+        refuses folders and checks permissions and the name's absence itself."""
+        node = self.ns.node(inode)
+        parent = self.ns.node(new_parent_inode)
+        name = _name(new_name)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EPERM)
+        if not parent.is_dir:
+            raise NotADirectory(f"{parent.path}: not a folder")
+        if name in parent.children:
+            raise Exists(f"{posixpath.join(parent.path, name)}: exists")
+        if not self.ns.is_current(node):
+            raise NotFound(f"{node.path}: removed")
+        if node.summary is None:
+            log.warning("%s: link refused: the file has no committed version yet (close it first)", node.path)
+            raise pyfuse3.FUSEError(errno.EPERM)
+        path = posixpath.join(parent.path, name)
+        link = node.summary.link or secrets.token_hex(8)
+        m = dataclasses.replace(await self._manifest(node), link=link, ctime_ns=time.time_ns())
+        with self._changing(*node.names, path):
+            committed = await self.catalog.transact([dataclasses.replace(m, path=p) for p in [*node.names, path]])
+            if (other := parent.children.get(name)) is not None:    # a listing showed it meanwhile
+                self._drop(self.ns.node(other), path)
+            self.ns.add_name(node, path)
+            self.ns.links[link] = node.ino
+            node.set_version(committed[0])
+            w = self.writing.get(node.ino)
+            if w is not None:
+                w.session.set_attributes(link=link)
+        self._entries_changed(parent)
+        return self.attributes(node)
 
 
 def _newer(m: Summary | Unreadable, node: Node) -> bool:

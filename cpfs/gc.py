@@ -16,7 +16,9 @@ chunk in between, when nothing names it yet. So gc
      then the temporary files older than the cutoff.
 Transaction records (cpfs/catalog.py) are listed before the manifests, and one that no listed version
 names is deleted: all of a transaction's versions are written before its record, so a record listed
-first whose versions are not in the listing that follows has had them all retired.
+first whose versions are not in the listing that follows has had them all retired. A version of a
+transaction that has no record in that first listing and was written before the cutoff is abandoned
+(its writer died before the commit point: assumption 1 bounds a commit's duration) and is deleted.
 
 Invariant: from the moment a commit checks a chunk copy until it writes its manifest at t_m, the copy's
 mtime is after t_m - grace. Mounts keep it: dedup touches a copy it reuses when the copy is older than
@@ -106,6 +108,7 @@ class GcReport:
     refused: str              # why nothing was deleted; "" if the sweep ran
     stores: tuple[StoreSweep, ...]
     transactions: int = 0     # transaction records that no version names any more, deleted
+    abandoned: int = 0        # versions of transactions that never committed, older than the grace, deleted
 
     @property
     def freed_objects(self) -> int:
@@ -119,7 +122,7 @@ class GcReport:
         return {"dry_run": self.dry_run, "grace": self.grace, "manifests": self.manifests,
                 "referenced_chunks": self.referenced, "refused": self.refused or None,
                 "freed_objects": self.freed_objects, "freed_bytes": self.freed_bytes,
-                "transactions": self.transactions,
+                "transactions": self.transactions, "abandoned": self.abandoned,
                 "stores": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.stores]}
 
     def lines(self, size: Callable[[float], str] = lambda n: f"{int(n)} B") -> list[str]:
@@ -136,7 +139,8 @@ class GcReport:
                        f"younger than the grace ({size(s.young_bytes)}); {s.chunks} chunks listed"
                        + (f"; {s.errors} requests failed" if s.errors else ""))
         out.append(f"{'would free' if self.dry_run else 'freed'} {self.freed_objects} objects, "
-                   f"{size(self.freed_bytes)}; {self.transactions} transaction records no version names")
+                   f"{size(self.freed_bytes)}; {self.transactions} transaction records no version names, "
+                   f"{self.abandoned} versions of transactions that never committed")
         return out
 
 
@@ -174,14 +178,17 @@ class GarbageCollector:
         """The three steps of the module doc, or a refusal after the second."""
         cutoff = time.time() - self.grace               # before any listing: see the invariant
         records, problems = await self._list([TXN_PREFIX])      # before the manifests: see the doc
-        referenced, read, named, more = await self._references()
+        committed = {r[len(TXN_PREFIX):-len(".json")] for r in records}
+        referenced, read, named, abandoned, more = await self._references(committed, cutoff)
         problems += more
         report = dict(grace=self.grace, dry_run=self.dry_run, manifests=read, referenced=len(referenced))
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             log.error("gc refused, nothing deleted: %s", shown)
             return GcReport(**report, refused=shown, stores=())
-        report["transactions"] = await self._drop_records(records, named)
+        named_keys = {txn_key(t) for t in named}
+        report["transactions"] = await self._delete({k: v for k, v in records.items() if k not in named_keys})
+        report["abandoned"] = await self._delete(abandoned)
         tallies = {name: _Tally(name) for name in self.pool.names}
         async with trio.open_nursery() as n:
             for name in self.pool.names:
@@ -206,22 +213,25 @@ class GarbageCollector:
         out = await fan_out(one, self.pool.names, catch=StoreError)
         return where, [f"store {name!r}: cannot list the manifests: {e.detail}" for name, e in out.errors]
 
-    async def _drop_records(self, records: dict[str, list[str]], named: set[str]) -> int:
-        """Delete the transaction records no listed version names; how many."""
-        unnamed = [k for k in records if k not in {txn_key(t) for t in named}]
+    async def _delete(self, keys: dict[str, list[str]]) -> int:
+        """Delete each key on the stores that listed it (transaction records, abandoned versions);
+        how many keys."""
         if self.dry_run:
-            return len(unnamed)
-        for key in unnamed:
-            for name in records[key]:
+            return len(keys)
+        for key, names in keys.items():
+            for name in names:
                 try:
                     await self.pool.delete(name, key)
                 except StoreError as e:
                     log.warning("gc: could not delete %s on store %r: %s", key, name, e)
-        return len(unnamed)
+        return len(keys)
 
-    async def _references(self) -> tuple[set[str], int, set[str], list[str]]:
+    async def _references(self, committed: set[str], cutoff: float
+                          ) -> tuple[set[str], int, set[str], dict[str, list[str]], list[str]]:
         """The digests every kept version names, how many versions were read, the transactions the
-        listed versions name, and the problems that forbid deleting anything."""
+        listed versions name, the abandoned versions (see the module doc: not in `committed`, older
+        than `cutoff`), and the problems that forbid deleting anything."""
+        abandoned: dict[str, list[str]] = {}
         referenced: set[str] = set()
         done: set[str] = set()
         where, problems = await self._list([MANIFESTS])
@@ -235,7 +245,10 @@ class GarbageCollector:
                 m = await self._read(key, where[key], problems)
                 done.add(key)
                 if m is not None:
-                    referenced.update(c.digest for c in m.chunks)
+                    referenced.update(c.digest for c in m.chunks)   # abandoned ones too, this run
+                    ref = VersionRef.parse(key)
+                    if ref is not None and ref.txn and ref.txn not in committed and m.committed_ns < cutoff * 1e9:
+                        abandoned[key] = where[key]
                 elif (folder := _FOLDER.fullmatch(key)) is not None:
                     vanished.add(folder[1] + "/")
 
@@ -251,7 +264,7 @@ class GarbageCollector:
             if where and not problems:
                 problems.append("versions kept vanishing while gc read them (commits are retiring them): "
                                 "try again")
-        return referenced, len(done), named, problems
+        return referenced, len(done), named, abandoned, problems
 
     async def _read(self, key: str, names: Sequence[str], problems: list[str]) -> Manifest | None:
         """The version under `key` from the first store with a copy that parses; None if every store

@@ -6,8 +6,8 @@ from the set of manifests. Every commit is a new immutable document (see cpfs/ca
 a per-path counter, `writer` breaks ties between two commits of one version, and `state` says whether
 the version is a file ("ok"), a removal ("deleted") or a save that did not complete ("failed").
 
-Fields added later (owner, group, atime, ctime, `user.` extended attributes, mknod's kind and device)
-are optional: a manifest without them loads with defaults (cpfs/fs.py shows the mounting user, and
+Fields added later (owner, group, atime, ctime, `user.` extended attributes, mknod's kind and device,
+the hard-link id) are optional: a manifest without them loads with defaults (cpfs/fs.py shows the mounting user, and
 mtime for the other times), and readers that predate them ignore them.
 
 Every field is checked on load, since a manifest comes from a store we do not control: a bad one must
@@ -34,6 +34,7 @@ READABLE_FORMATS = (1, 2)          # format 1: one document per path, before ver
 STATES = ("ok", "failed", "deleted")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _WRITER = re.compile(r"[0-9a-f]{0,32}")
+_LINK = re.compile(r"(?:[0-9a-f]{16})?")
 _MAX_INT = 2**63 - 1               # what stat(2) and the kernel can carry
 _MAX_CHUNK = 1024**3               # far above the largest chunk_size (256 MiB) we cut
 _MAX_VERSION = 10**19              # fits the 20 digits of a manifest key
@@ -74,7 +75,7 @@ class ChunkEntry:
 
 _SUMMARY_KEYS = ("format", "path", "size", "mtime_ns", "mode", "version", "writer", "host", "committed_ns",
                  "state", "reason", "symlink", "directory", "uid", "gid", "atime_ns", "ctime_ns", "xattrs",
-                 "special", "rdev")
+                 "special", "rdev", "link")
 SPECIALS = ("fifo", "socket", "char", "block")   # mknod's kinds (no content: the kernel serves them)
 Xattrs = tuple[tuple[str, bytes], ...]     # (name, value), sorted by name
 SUMMARY_MAX = 16 * 1024      # a summary line is at most this long (path and reason are bounded)
@@ -106,6 +107,7 @@ class Summary:
     xattrs: Xattrs = ()            # extended attributes ("user." names), at most XATTR_TOTAL_MAX bytes
     special: str = ""              # a node made with mknod (one of SPECIALS): no chunks
     rdev: int = 0                  # its device number (char and block)
+    link: str = ""                 # hard links: every name of one file carries the same id (see fs.py)
     key: str = ""
     stores: tuple[str, ...] = ()
 
@@ -148,6 +150,7 @@ class Manifest:
     xattrs: Xattrs = ()
     special: str = ""
     rdev: int = 0
+    link: str = ""
 
     @property
     def order(self) -> tuple[int, str]:
@@ -187,7 +190,7 @@ class Manifest:
         for k in ("uid", "gid", "atime_ns", "ctime_ns"):
             if head[k] is None:
                 del head[k]          # not recorded: read back as None
-        for k in ("special", "rdev"):
+        for k in ("special", "rdev", "link"):
             if not head[k]:
                 del head[k]
         head["xattrs"] = {name: base64.b64encode(value).decode() for name, value in self.xattrs}
@@ -267,6 +270,9 @@ def _parse_summary(doc: Any, where: str) -> Summary:
         special = doc.get("special", "")
         if special and (special not in SPECIALS or directory or symlink):
             raise ValueError(f"bad special kind {special!r:.40}")
+        link = doc.get("link", "")
+        if not (isinstance(link, str) and _LINK.fullmatch(link)) or (link and directory):
+            raise ValueError(f"bad link id {link!r:.40}")
         owner = {k: _int(doc, k, 0, _MAX_ID) if doc.get(k) is not None else None for k in ("uid", "gid")}
         times = {k: _int(doc, k, -_MAX_INT, _MAX_INT) if doc.get(k) is not None else None
                  for k in ("atime_ns", "ctime_ns")}
@@ -275,7 +281,7 @@ def _parse_summary(doc: Any, where: str) -> Summary:
                        version=_int(doc, "version", 0, _MAX_VERSION), writer=writer, host=host,
                        committed_ns=_int(doc, "committed_ns", 0, _MAX_INT, default=0), state=state,
                        reason=reason, symlink=symlink, directory=directory, xattrs=_xattrs(doc.get("xattrs", {})),
-                       special=special, rdev=_int(doc, "rdev", 0, _MAX_INT, default=0),
+                       special=special, rdev=_int(doc, "rdev", 0, _MAX_INT, default=0), link=link,
                        **owner, **times)
     except ManifestError as e:    # the format check, or a bad path
         raise ManifestError(f"{where}: {e}") from None

@@ -9,6 +9,11 @@ another mount commits a newer version, the path gets a new node (a new inode) an
 *retired*: no longer reachable by name, still answering getattr and reads for the handles that opened
 it, until the kernel forgets it. So a process that opened version 1 reads version 1 to the end, never a
 mix, and the kernel's page cache of the old inode stays true. Names removed while open retire the same way.
+
+Hard links: a file may have several names (`path`, then `aliases`), one node and one inode for all of
+them. Every name's manifest carries the same `link` id, and a node is found by it (`links`), so a
+listing that meets the second name of a file adds a name to the node, not a node. A node is retired
+when its last name goes. `entries` walks names (a linked file appears under each of its names).
 """
 from __future__ import annotations
 
@@ -39,11 +44,17 @@ class Node:
     broken: str = ""                          # why the current version cannot be read (open: EIO)
     entries_changed_ns: int = 0               # a folder: when this mount last added or removed a name in it
                                               # (its mtime and ctime show it; not committed, see cpfs/fs.py)
+    aliases: list[str] = field(default_factory=list)   # a file's other names (hard links)
     _index: TensorIndex | None = None
 
     @property
     def name(self) -> str:
         return posixpath.basename(self.path)
+
+    @property
+    def names(self) -> list[str]:
+        """Every path that leads to this node (more than one: hard links)."""
+        return [self.path, *self.aliases]
 
     @property
     def index(self) -> TensorIndex | None:
@@ -75,6 +86,7 @@ class Namespace:
         self.nodes: dict[int, Node] = {ROOT: Node(ROOT, "/", True)}
         self.retired: dict[int, Node] = {}      # unreachable by name, kept for open handles until forget
         self.by_path: dict[str, int] = {"/": ROOT}
+        self.links: dict[str, int] = {}         # link id -> the live node all its names lead to
         self._inos = itertools.count(ROOT + 1)
         for path in sorted(manifests):
             try:
@@ -90,7 +102,10 @@ class Namespace:
         return node
 
     def parent(self, node: Node) -> Node:
-        return self.nodes[self.by_path[posixpath.dirname(node.path)]]
+        return self.parent_of(node.path)
+
+    def parent_of(self, path: str) -> Node:
+        return self.nodes[self.by_path[posixpath.dirname(path)]]
 
     def add(self, manifest: Summary | Manifest | Unreadable) -> Node:
         """Add or update a file or a committed folder (and the folders its path implies)."""
@@ -101,6 +116,15 @@ class Namespace:
             elif not self.nodes[ino].is_dir:
                 raise ManifestError(f"{manifest.path}: {d} is a file, not a folder")
         is_dir = not isinstance(manifest, Unreadable) and manifest.directory
+        link = "" if isinstance(manifest, Unreadable) else manifest.link
+        if link and (linked := self.nodes.get(self.links.get(link, 0))) is not None:
+            if manifest.path not in linked.names:     # another name of a file we show: a name, not a node
+                if (other := self.by_path.get(manifest.path)) is not None:
+                    if self.nodes[other].is_dir:
+                        raise ManifestError(f"{manifest.path}: is a folder here")
+                    self.remove_name(self.nodes[other], manifest.path)
+                self.add_name(linked, manifest.path)
+            return linked
         ino = self.by_path.get(manifest.path)
         if ino is None:
             node = self._new(manifest.path, is_dir)
@@ -113,7 +137,38 @@ class Namespace:
             node.broken = f"manifest {manifest.key}: {manifest.reason}"
         else:
             node.set_version(manifest)
+            if link:
+                self.links[link] = node.ino
         return node
+
+    def add_name(self, node: Node, path: str) -> None:
+        """A hard link: `path` (free, in an existing folder) leads to `node` too."""
+        node.aliases.append(path)
+        self.by_path[path] = node.ino
+        self.parent_of(path).children[posixpath.basename(path)] = node.ino
+
+    def remove_name(self, node: Node, path: str) -> None:
+        """One name of a file goes; the node with its last name."""
+        if path == node.path and not node.aliases:
+            self.remove(node)
+            return
+        self._unname(path)
+        if path == node.path:
+            node.path = node.aliases.pop(0)
+        else:
+            node.aliases.remove(path)
+
+    def _unname(self, path: str) -> None:
+        del self.by_path[path]
+        parent = self.by_path.get(posixpath.dirname(path))
+        if parent is not None:
+            self.nodes[parent].children.pop(posixpath.basename(path), None)
+
+    def _retire(self, node: Node) -> None:
+        self.retired[node.ino] = self.nodes.pop(node.ino)
+        link = node.summary.link if node.summary is not None else ""
+        if link and self.links.get(link) == node.ino:
+            del self.links[link]
 
     def replace(self, node: Node, manifest: Summary | Unreadable) -> Node:
         """A new node (inode) for a version committed elsewhere; the old one is retired (module doc)."""
@@ -128,11 +183,20 @@ class Namespace:
         return self._new(posixpath.join(parent.path, name), is_dir)
 
     def remove(self, node: Node) -> None:
-        """Unlink a node (a folder with everything below it); open handles keep it until forget."""
-        self.parent(node).children.pop(node.name, None)
-        for n in self.walk(node):
-            del self.by_path[n.path]
-            self.retired[n.ino] = self.nodes.pop(n.ino)
+        """Unlink a node: a file with all its names, or a folder with everything below it (a file
+        linked from elsewhere keeps its other names); open handles keep it until forget."""
+        if not node.is_dir:
+            for path in node.names:
+                self._unname(path)
+            node.aliases.clear()
+            self._retire(node)
+            return
+        for path, n in reversed(self.entries(node)):      # deepest first
+            if n.is_dir:
+                self._unname(path)
+                self._retire(n)
+            else:
+                self.remove_name(n, path)
 
     def is_current(self, node: Node) -> bool:
         """Whether the node is still reachable by its name (not retired)."""
@@ -142,25 +206,36 @@ class Namespace:
         """The kernel dropped the inode: a retired node is gone for good (live ones keep their number)."""
         self.retired.pop(ino, None)
 
+    def entries(self, node: Node, path: str | None = None) -> list[tuple[str, Node]]:
+        """(path, node) of the node under `path` (default: its own) and of every name below it."""
+        path = path or node.path
+        out = [(path, node)]
+        for name, c in node.children.items():
+            out.extend(self.entries(self.nodes[c], posixpath.join(path, name)))
+        return out
+
     def walk(self, node: Node) -> list[Node]:
         """The node and everything below it."""
-        out = [node]
-        for c in node.children.values():
-            out.extend(self.walk(self.nodes[c]))
-        return out
+        return [n for _, n in self.entries(node)]
 
     def files_below(self, node: Node) -> list[Node]:
         return [n for n in self.walk(node) if not n.is_dir]
 
-    def move(self, node: Node, parent: Node, name: str) -> None:
-        """Re-home a node (and rename everything below it); the target name must be free."""
-        self.parent(node).children.pop(node.name, None)
-        old = node.path
+    def move(self, node: Node, parent: Node, name: str, old: str | None = None) -> None:
+        """Re-home the name `old` (default: the node's path) of a node, and rename everything below it;
+        the target name must be free."""
+        old = old or node.path
+        self.parent_of(old).children.pop(posixpath.basename(old), None)
+        new = posixpath.join(parent.path, name)
         parent.children[name] = node.ino
-        for n in self.walk(node):
-            del self.by_path[n.path]
-            n.path = posixpath.join(parent.path, name) + n.path[len(old):]
-            self.by_path[n.path] = n.ino
+        for path, n in self.entries(node, old):
+            moved = new + path[len(old):]
+            del self.by_path[path]
+            self.by_path[moved] = n.ino
+            if n.path == path:
+                n.path = moved
+            else:
+                n.aliases[n.aliases.index(path)] = moved
 
     def node(self, ino: int) -> Node:
         """A live or retired node: handles and the kernel may still use a retired inode."""

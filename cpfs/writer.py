@@ -38,6 +38,7 @@ stored, whether by write-behind or by flush.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import errno
 import logging
 import time
@@ -132,6 +133,7 @@ class WriteSession:
         self._cfg = pool.config
         self._cs = self._cfg.chunk_size
         self.path = normalize_path(path)  # the FUSE layer may reassign it (rename while open)
+        self.also: list[str] = []         # the file's other names (hard links): each commit is theirs too
         self.mode = mode & 0o7777
         # Owner, group, atime and extended attributes of the commits (Manifest fields; the FUSE layer
         # sets them, see set_attributes); ctime is the commit's time.
@@ -633,7 +635,11 @@ class WriteSession:
                             **{"ctime_ns": time.time_ns(), **self.attributes})  # type: ignore[arg-type]
         if reason is not None:
             return await self._refuse(manifest, mod, reason, closing)
-        manifest = await self._catalog.commit(manifest)
+        if self.also:        # one transaction: every name of the file shows the new version, or none
+            names = [dataclasses.replace(manifest, path=p) for p in self.also]
+            manifest = (await self._catalog.transact([manifest, *names]))[0]
+        else:
+            manifest = await self._catalog.commit(manifest)
         layout = set(spans)  # uploads outside it: overwritten, or the final layout cut differently
         self._discarded += sum(1 for key, (_, pending) in self._clean.items() if pending and key not in layout)
         self._clean = {span: (entry, False) for span, entry in zip(spans, entries)}

@@ -1,5 +1,5 @@
 """Folder semantics through real mounts: statfs, owner/mode/times (stored, enforced, seen by another
-mount and after a remount), allow_other, user extended attributes, fifos and sockets.
+mount and after a remount), allow_other, user extended attributes, fifos and sockets, hard links.
 
 Tests that act as another user run a child process as uid/gid 65534 with the system Python (the
 project's venv may sit under a private home). The child reaches the mount through an inherited file
@@ -316,9 +316,9 @@ def test_fifos_and_sockets_are_names_other_mounts_see(make_config, tmp_path, mou
     st = refreshed(b.path / "fifo")
     assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o620
     assert stat.S_ISSOCK(refreshed(b.path / "sock").st_mode)
-    with pytest.raises(OSError) as e:
-        os.link(a.path / "fifo", a.path / "hard")
-    assert e.value.errno == errno.EPERM             # hard links are not stored
+    os.link(a.path / "fifo", a.path / "hard")       # any kind of file may have several names
+    assert os.stat(a.path / "hard").st_ino == os.stat(a.path / "fifo").st_ino
+    assert stat.S_ISFIFO(refreshed(b.path / "hard").st_mode) and os.stat(b.path / "fifo").st_nlink == 2
 
 
 @pytest.mark.mount
@@ -381,6 +381,7 @@ def test_cp_a_round_trip_keeps_owners_modes_times_xattrs_and_kinds(make_config, 
     os.setxattr(src / "a", "user.k", b"v")
     os.symlink("a", src / "lnk")
     os.mkfifo(src / "ff")
+    os.link(src / "a", src / "sub" / "hard")
     os.chmod(src / "sub", 0o700)
     m = mount(config(make_config, tmp_path))
     back = tmp_path / "back"
@@ -392,3 +393,78 @@ def test_cp_a_round_trip_keeps_owners_modes_times_xattrs_and_kinds(make_config, 
                (want.st_mode, want.st_uid, want.st_gid, want.st_mtime_ns), name
     assert os.getxattr(back / "a", "user.k") == b"v" and (back / "a").read_bytes() == b"hi"
     assert os.readlink(back / "lnk") == "a"
+    for top in (m.path / "copy", back):          # the hard link is kept a hard link, both ways
+        assert os.stat(top / "a").st_ino == os.stat(top / "sub" / "hard").st_ino
+        assert os.stat(top / "a").st_nlink == 2
+    rsynced = tmp_path / "rsynced"
+    if shutil.which("rsync"):
+        subprocess.run(["rsync", "-aH", f"{src}/", str(m.path / "rsynced")], check=True)
+        subprocess.run(["rsync", "-aH", f"{m.path / 'rsynced'}/", str(rsynced)], check=True)
+        assert os.stat(rsynced / "a").st_ino == os.stat(rsynced / "sub" / "hard").st_ino
+        assert (rsynced / "sub" / "hard").read_bytes() == b"hi"
+
+
+# -- hard links -------------------------------------------------------------------------------------
+@pytest.mark.mount
+def test_hard_links_are_one_file_under_several_names_in_every_mount(make_config, tmp_path, mount):
+    """`ln step_200/model.pt last.pt`: one inode, nlink 2; bytes written and attributes changed through
+    either name show through the other; unlink of one name leaves the other whole and shows the new
+    ctime; another mount and a fresh mount see one file with two names."""
+    cfg = config(make_config, tmp_path, allow_other=False)
+    a = mount(cfg, "a")
+    (a.path / "run" / "step_200").mkdir(parents=True)
+    model = a.path / "run" / "step_200" / "model.pt"
+    data = os.urandom(3 * 1024 * 1024)
+    model.write_bytes(data)
+    os.link(model, a.path / "last.pt")
+    s1, s2 = os.stat(model), os.stat(a.path / "last.pt")
+    assert s1.st_ino == s2.st_ino and s1.st_nlink == s2.st_nlink == 2
+    with open(a.path / "last.pt", "ab") as f:
+        f.write(b"tail")
+    assert model.read_bytes() == data + b"tail"
+    os.chmod(a.path / "last.pt", 0o600)
+    assert stat.S_IMODE(os.stat(model).st_mode) == 0o600
+    os.link(model, a.path / "run" / "third.pt")
+    assert os.stat(a.path / "last.pt").st_nlink == 3
+    b = mount(cfg, "b")
+    names = [b.path / "run" / "step_200" / "model.pt", b.path / "last.pt", b.path / "run" / "third.pt"]
+    inos = {os.stat(n).st_ino for n in names}
+    assert len(inos) == 1 and os.stat(names[0]).st_nlink == 3
+    assert all(n.read_bytes() == data + b"tail" for n in names)
+    before = os.stat(a.path / "last.pt").st_ctime_ns
+    time.sleep(0.01)
+    os.unlink(model)
+    assert not model.exists()
+    after = os.stat(a.path / "last.pt")
+    assert after.st_nlink == 2 and after.st_ctime_ns > before
+    assert (a.path / "last.pt").read_bytes() == data + b"tail"
+    c = mount(cfg, "c")
+    assert sorted(os.listdir(c.path / "run" / "step_200")) == []
+    assert os.stat(c.path / "last.pt").st_nlink == 2
+    assert os.stat(c.path / "last.pt").st_ino == os.stat(c.path / "run" / "third.pt").st_ino
+    assert stat.S_IMODE(os.stat(c.path / "run" / "third.pt").st_mode) == 0o600
+    os.rename(a.path / "run" / "third.pt", a.path / "run" / "renamed.pt")     # a name moves, the file stays
+    assert os.stat(a.path / "run" / "renamed.pt").st_ino == os.stat(a.path / "last.pt").st_ino
+    os.unlink(a.path / "last.pt")
+    assert os.stat(a.path / "run" / "renamed.pt").st_nlink == 1
+    assert (a.path / "run" / "renamed.pt").read_bytes() == data + b"tail"
+    d = mount(cfg, "d")
+    assert sorted(os.listdir(d.path / "run")) == ["renamed.pt", "step_200"] and not (d.path / "last.pt").exists()
+    assert (d.path / "run" / "renamed.pt").read_bytes() == data + b"tail"
+
+
+@pytest.mark.mount
+def test_a_hard_link_that_cannot_commit_adds_no_name(make_config, tmp_path, mount):
+    """The link's transaction cannot be recorded (every store's `txns` is a file): EIO, no new name, the
+    file as it was, here and in another mount."""
+    cfg = config(make_config, tmp_path, allow_other=False)
+    a = mount(cfg, "a")
+    (a.path / "model.pt").write_bytes(b"weights")
+    for store in (tmp_path / "cfg" / "stores").iterdir():
+        (store / "txns").write_text("not a folder")
+    with pytest.raises(OSError) as e:
+        os.link(a.path / "model.pt", a.path / "last.pt")
+    assert e.value.errno == errno.EIO
+    assert os.listdir(a.path) == ["model.pt"] and os.stat(a.path / "model.pt").st_nlink == 1
+    b = mount(cfg, "b")
+    assert os.listdir(b.path) == ["model.pt"] and (b.path / "model.pt").read_bytes() == b"weights"

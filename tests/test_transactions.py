@@ -109,7 +109,7 @@ async def test_a_transaction_whose_record_fails_changes_nothing_and_leaves_nothi
 async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path: Path) -> None:
     """The stores as a kill -9 between the versions and the record leaves them (a copy taken while the
     record's put is held): the old tree, and commits to those paths go on; the dead transaction's
-    versions are never current, never retired by others, and gc leaves them."""
+    versions are never current and never retired by others; gc deletes them once past its grace."""
     wrappers: list[HoldRecords] = []
     cat = Catalog(make_pool(tmp_path, stores=3, wrap=lambda s: wrappers.append(HoldRecords(s)) or wrappers[-1]))
     for path, data in FILES.items():
@@ -132,8 +132,11 @@ async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path
     assert again.version == 3                 # above the dead transaction's version 2
     assert (await Catalog(make_pool(crashed, stores=3)).get("/run/step_1/model.pt")).size == 24
     assert len(txn_version_keys(crashed)) == 2 * len(FILES)   # keep=1 retired v1 only
+    report = await GarbageCollector(make_pool(crashed, stores=3), grace=3600).run()
+    assert report.abandoned == 0 and len(txn_version_keys(crashed)) == 2 * len(FILES)   # perhaps committing
     report = await GarbageCollector(make_pool(crashed, stores=3), grace=0).run()
-    assert report.refused == "" and len(txn_version_keys(crashed)) == 2 * len(FILES)
+    assert report.refused == "" and report.abandoned == 2 * len(FILES) and txn_version_keys(crashed) == []
+    assert await paths(crashed) == set(FILES)
     assert (await Catalog(make_pool(crashed, stores=3)).get("/run/step_1/optim.pt")).size == 15
 
 

@@ -1,0 +1,52 @@
+"""The namespace's hard links without a mount: one node for every name that carries one link id."""
+from __future__ import annotations
+
+from cpfs.manifest import Summary
+from cpfs.namespace import Namespace
+
+
+def summary(path: str, link: str = "", committed_ns: int = 1) -> Summary:
+    return Summary(path=path, size=3, mtime_ns=1, mode=0o644, version=1, link=link, committed_ns=committed_ns)
+
+
+L = "0123456789abcdef"
+
+
+def test_names_with_one_link_id_are_one_node_whatever_the_listing_order() -> None:
+    ns = Namespace({p: summary(p, L) for p in ("/z/last.pt", "/a/model.pt", "/m/third.pt")}
+                   | {"/a/other.pt": summary("/a/other.pt")})
+    node = ns.resolve("/a/model.pt")
+    assert ns.resolve("/z/last.pt") is node and ns.resolve("/m/third.pt") is node
+    assert sorted(node.names) == ["/a/model.pt", "/m/third.pt", "/z/last.pt"]
+    assert ns.resolve("/a/other.pt") is not node
+    assert ns.lookup(ns.resolve("/z").ino, "last.pt") is node
+
+
+def test_removing_names_keeps_the_node_until_the_last() -> None:
+    ns = Namespace({p: summary(p, L) for p in ("/a/x", "/b/y")})
+    node = ns.resolve("/a/x")
+    ns.remove_name(node, "/a/x")                  # the primary name goes: another takes its place
+    assert node.path == "/b/y" and node.aliases == [] and ns.is_current(node)
+    assert "x" not in ns.resolve("/a").children and "/a/x" not in ns.by_path
+    ns.remove_name(node, "/b/y")
+    assert not ns.is_current(node) and L not in ns.links
+
+
+def test_moving_a_folder_renames_only_the_names_below_it() -> None:
+    ns = Namespace({p: summary(p, L) for p in ("/run/tmp/model.pt", "/latest.pt")})
+    node = ns.resolve("/latest.pt")
+    ns.move(ns.resolve("/run/tmp"), ns.resolve("/run"), "step_1")
+    assert sorted(node.names) == ["/latest.pt", "/run/step_1/model.pt"]
+    assert ns.resolve("/run/step_1/model.pt") is node and "/run/tmp/model.pt" not in ns.by_path
+    ns.move(node, ns.resolve("/run"), "renamed.pt", old="/latest.pt")       # one name of a file
+    assert sorted(node.names) == ["/run/renamed.pt", "/run/step_1/model.pt"]
+    ns.remove(ns.resolve("/run/step_1"))          # a folder goes: the file keeps its other name
+    assert node.names == ["/run/renamed.pt"] and ns.is_current(node)
+    assert sorted(ns.by_path) == ["/", "/run", "/run/renamed.pt"]
+
+
+def test_a_name_that_joins_a_link_group_leaves_its_old_node() -> None:
+    ns = Namespace({"/a": summary("/a", L), "/b": summary("/b")})
+    old = ns.resolve("/b")
+    node = ns.add(summary("/b", L))
+    assert node is ns.resolve("/a") and sorted(node.names) == ["/a", "/b"] and not ns.is_current(old)
