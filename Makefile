@@ -15,8 +15,9 @@ CONFORMANCE_ARGS ?=
 .PHONY: test demo bench bench-s3 bench-s3-client s3-tools deps venv conformance conformance-tools clean
 
 deps:
-	@command -v fusermount3 >/dev/null && [ -f /usr/include/fuse3/fuse_lowlevel.h ] && command -v pkg-config >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config; }
+	@command -v fusermount3 >/dev/null && [ -f /usr/include/fuse3/fuse_lowlevel.h ] && command -v pkg-config >/dev/null \
+	  && command -v rsync >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config rsync; }
 
 $(PY):
 	python3 -m venv $(VENV)

@@ -371,7 +371,7 @@ async def test_pool_capacity_is_the_smallest_share_a_user_can_fill(tmp_path):
 
 @pytest.mark.mount
 @needs_root
-def test_cp_a_round_trip_keeps_owners_modes_times_xattrs_and_kinds(make_config, tmp_path, mount):
+def test_cp_a_and_rsync_round_trips_keep_owners_modes_times_xattrs_kinds_and_links(make_config, tmp_path, mount):
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
     (src / "a").write_bytes(b"hi")
@@ -397,11 +397,12 @@ def test_cp_a_round_trip_keeps_owners_modes_times_xattrs_and_kinds(make_config, 
         assert os.stat(top / "a").st_ino == os.stat(top / "sub" / "hard").st_ino
         assert os.stat(top / "a").st_nlink == 2
     rsynced = tmp_path / "rsynced"
-    if shutil.which("rsync"):
-        subprocess.run(["rsync", "-aH", f"{src}/", str(m.path / "rsynced")], check=True)
-        subprocess.run(["rsync", "-aH", f"{m.path / 'rsynced'}/", str(rsynced)], check=True)
-        assert os.stat(rsynced / "a").st_ino == os.stat(rsynced / "sub" / "hard").st_ino
-        assert (rsynced / "sub" / "hard").read_bytes() == b"hi"
+    subprocess.run(["rsync", "-aHX", f"{src}/", str(m.path / "rsynced")], check=True)   # make deps installs it
+    subprocess.run(["rsync", "-aHX", f"{m.path / 'rsynced'}/", str(rsynced)], check=True)
+    assert os.stat(rsynced / "a").st_ino == os.stat(rsynced / "sub" / "hard").st_ino
+    assert (rsynced / "sub" / "hard").read_bytes() == b"hi" and os.getxattr(rsynced / "a", "user.k") == b"v"
+    assert os.readlink(rsynced / "lnk") == "a" and stat.S_ISFIFO(os.lstat(rsynced / "ff").st_mode)
+    assert os.lstat(rsynced / "sub").st_mtime_ns == os.lstat(src / "sub").st_mtime_ns
 
 
 # -- hard links -------------------------------------------------------------------------------------
