@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from . import daemon, stats
+from . import buffers, daemon, stats
 from .cache import ChunkCache
 from .catalog import Catalog, Unreadable
 from .config import GC_GRACE_FLOOR, Config, load_config, parse_duration
@@ -417,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mount":
             return cmd_mount(config, args)
         logging.basicConfig(level=logging.WARNING, format="cpfs: %(levelname)s: %(message)s")
+        if args.command in ("put", "scrub"):
+            buffers.keep_freed_memory()        # they encode or copy chunk after chunk
         return trio.run(_run, COMMANDS[args.command], config, args)
     except (CpfsError, BrokenPipeError, BaseExceptionGroup) as e:
         leaves = _leaves(e)

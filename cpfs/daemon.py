@@ -340,6 +340,7 @@ def setup_logging(level: str, log_file: str | None) -> None:
 
 def run_foreground(config: Config, mountpoint: Path, ready_fd: int | None) -> int:
     """Serve until unmounted; errors go up to the CLI, which reports them (and to the launcher)."""
+    buffers.keep_freed_memory()
     trio.run(serve, config, mountpoint, ready_fd)
     return 0
 
