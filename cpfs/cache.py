@@ -69,6 +69,17 @@ class ChunkCache:
         e = self._entries.get(key)
         return e.data if e else None
 
+    def claim(self, key: str) -> bytes | None:
+        """The cached bytes, pinned (as `get(..., pin=True)` would, counted as a hit); None if absent.
+        A readahead claims what it will hand the reader soon, so its later prefetches cannot evict it."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        self._hits += 1
+        self._entries.move_to_end(key)
+        self._pin(e)
+        return e.data
+
     def room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in the budget if every unpinned entry were evicted."""
         return self._pinned + self._inflight + self._reserved + nbytes <= self.budget

@@ -124,6 +124,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("scheduler", "pushed"): ("cpfs_pagecache_pushes_total", "counter", "Chunks handed to the kernel page cache."),
     ("scheduler", "pushed_bytes"): ("cpfs_pagecache_pushed_bytes_total", "counter",
                                     "Bytes handed to the kernel page cache."),
+    ("scheduler", "kernel_drops"): ("cpfs_pagecache_drops_total", "counter",
+                                    "Times the kernel was found to have dropped pages pushed to it."),
     ("scheduler", "inflight"): ("cpfs_fetches_in_flight", "gauge", "Chunk fetches in flight now."),
     ("scheduler", "peak_inflight"): ("cpfs_fetches_in_flight_peak", "gauge", "Most chunk fetches in flight at once."),
     # cpfs.catalog

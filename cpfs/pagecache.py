@@ -6,6 +6,11 @@ cuts follow tensor boundaries, not pages. So a chunk's interior pages go to the 
 chunk arrives, and a page that straddles two (or more) chunks goes as soon as every chunk covering it
 is at hand. A chunk is dropped from the daemon's cache only when every page it touches is with the
 kernel. One `PageFeeder` per version of a file, shared by all its open handles.
+
+The kernel may drop pages it was given (drop_caches, memory pressure) without telling us. A read that
+asks for pages of a chunk whose push completed is the sign: the feeder then forgets every push of
+the file, so the readahead fetches and pushes again instead of taking the chunks for the kernel's
+(the daemon dropped its own copies) and fetching each on demand, one at a time.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class PageFeeder:
         self.pages_sent: set[int] = set()    # straddling pages pushed or being pushed
         self.pages_done: set[int] = set()
         self.pushes = 0
+        self.drops = 0                       # times the kernel was found to have dropped pushed pages
 
     def _interior(self, i: int) -> tuple[int, int]:
         """The whole pages of chunk i (the last page of the file counts as whole)."""
@@ -103,6 +109,24 @@ class PageFeeder:
             self.pages_done.add(page)
             for j in self.m.chunk_range(page * PAGE, PAGE):
                 self._release(j)
+
+    def lost(self, offset: int, end: int) -> bool:
+        """Whether a read of [offset, end) asks the daemon for pages whose push completed: the kernel
+        dropped them (it never asks for pages it holds)."""
+        for j in self.m.chunk_range(offset, end - offset):
+            if j in self.done:
+                lo, hi = self._interior(j)
+                if offset < hi and lo < end:
+                    return True
+        return False
+
+    def forget(self) -> None:
+        """Take none of this file's pages for the kernel's any more (see the module doc)."""
+        self.sent.clear()
+        self.done.clear()
+        self.pages_sent.clear()
+        self.pages_done.clear()
+        self.drops += 1
 
     def holds(self, i: int) -> bool:
         """Whether the kernel has every page chunk i touches."""

@@ -96,6 +96,7 @@ class SchedulerStats:
     prefetched_bytes: int = 0
     prefetch_used_bytes: int = 0     # of closed files (see FileStats)
     prefetch_wasted_bytes: int = 0   # of closed files
+    kernel_drops: int = 0            # times the kernel was found to have dropped pages pushed to it
     files: tuple[FileStats, ...] = ()
 
 
@@ -198,13 +199,14 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStats:
         pushed = sum(f.pushes for f in self._feeders.values())
+        drops = sum(f.drops for f in self._feeders.values())
         files = tuple(r.statistics() for r in self._readers) + tuple(self._closed)
         return SchedulerStats(
             open_files=self._open, reads=self._reads, read_bytes=self._read_bytes, demand_fetches=self._demand,
             prefetches=self._prefetches, prefetch_failures=self._failures, pushed=pushed,
             inflight=self._inflight, peak_inflight=self._peak, fetched_bytes=self._fetched,
             prefetched_bytes=self._prefetched, prefetch_used_bytes=self._used,
-            prefetch_wasted_bytes=self._wasted, files=files)
+            prefetch_wasted_bytes=self._wasted, kernel_drops=drops, files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
                    inode: int = 0) -> "FileReader":
@@ -350,7 +352,7 @@ class FileReader:
     def _prefetch_head(self) -> None:
         """What every loader reads first: fetched at open."""
         for i in self.layout.head:
-            if not self._have(i):
+            if not self._take(i):
                 if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
                     break
                 self._start_prefetch(i)
@@ -369,17 +371,20 @@ class FileReader:
             dist = pref[self.cursor + 1] - base
             if dist > self.window and self.cursor > self.last + 1:
                 break
-            if self._have(i):
-                self.cursor += 1
-                continue
             # Room is left for the chunk the reader is in, so prefetch never evicts it mid-read.
             size = self.m.chunks[i].raw_len
-            if not self.sched.cache.room(size + keep) or not self.sched.cache.reserve(size):
+            if not self._have(i) and not self.sched.cache.room(size + keep):
                 break
             # Held: the chunk a quarter into the window (the reader's arrival there moves the window),
             # and, when the reader reads parts of tensors, the tensor's last (a whole-tensor reader shows).
             hold = (self.marker is None and 4 * dist >= self.window) or (not self.whole and self.cursor == stop - 1)
-            self._start_prefetch(i, hold=hold)
+            if not self._take(i, hold=hold):
+                if not self.sched.cache.reserve(size):
+                    break
+                self._start_prefetch(i, hold=hold)
+            elif i not in self.held:
+                self.cursor += 1
+                continue
             if hold and self.marker is None:
                 self.marker = i
             self.cursor += 1
@@ -442,6 +447,24 @@ class FileReader:
 
     def _in_kernel(self, i: int) -> bool:
         return self.feeder is not None and i in self.feeder.sent
+
+    def _take(self, i: int, hold: bool = False) -> bool:
+        """Chunk i is in hand, or is now: a chunk our cache holds is claimed (pinned) and handled as a
+        finished prefetch (pushed to the kernel, or held). Unclaimed, the prefetches that follow it
+        could evict it before the reader comes (LRU): a second load of a file larger than the cache
+        then found most chunks gone and fetched each on demand, one at a time."""
+        if i in self.pinned or i in self.inflight or self._in_kernel(i):
+            return True
+        size = self.m.chunks[i].raw_len
+        data = self.sched.cache.claim(self.m.chunks[i].digest) if self.sched.cache.room(size) else None
+        if data is None:
+            return False
+        self.pinned.add(i)
+        if hold:
+            self.held.add(i)
+        else:
+            self._push(i, data)
+        return True
 
     def _have(self, i: int) -> bool:
         """Chunk i needs no prefetch: fetched or being fetched here, with the kernel, or cached."""
@@ -626,13 +649,12 @@ class FileReader:
     def _batch(self, u: Unit, start: int) -> None:
         """Fetch chunks [start, u.last] at once; the last one held."""
         for i in range(start, u.last + 1):
-            if self._have(i):
-                continue
-            if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
-                return
             hold = i == u.last
-            self._start_prefetch(i, hold=hold)
-            if hold:
+            if not self._take(i, hold=hold):
+                if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
+                    return
+                self._start_prefetch(i, hold=hold)
+            if hold and i in self.held:
                 self.batch_end = i
 
     def _predict(self, u: Unit, at: float) -> None:
@@ -647,7 +669,7 @@ class FileReader:
             lo = v.offset + int(at * v.length)
             hi = max(lo + 1, v.offset + int((at + self.slice_len) * v.length))
             for j, i in enumerate(self.m.chunk_range(lo, min(hi, v.offset + v.length) - lo)):
-                if self._have(i):
+                if self._take(i, hold=j == 0):
                     continue
                 if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
                     return
@@ -662,6 +684,10 @@ class FileReader:
         chunks = self.m.chunk_range(offset, size)
         if not chunks:
             return b""
+        if self.feeder is not None and self.feeder.lost(offset, end):
+            log.info("%s: the kernel dropped pages pushed to it (read at %d): pushing the file again as "
+                     "it is read", self.m.path, offset)
+            self.feeder.forget()
         self._observe(offset, end, chunks)
         datas: list[bytes] = [b""] * len(chunks)
 

@@ -74,6 +74,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     if "prefetch_used" in sc and "prefetch_wasted" in sc:
         prefetch += f", {sc['prefetch_used']} used, {sc['prefetch_wasted']} wasted"
     pushed = f"{sc['pushed']} chunks" + (f" ({sc['pushed_bytes'] / MiB:.1f} MiB)" if "pushed_bytes" in sc else "")
+    if sc.get("kernel_drops"):
+        pushed += f" (the kernel dropped them {sc['kernel_drops']} times)"
     lines.append(f"reads: {sc['reads']} requests, {sc['read_bytes'] / MiB:.1f} MiB; fetches: {sc['demand_fetches']} "
                  f"on demand, {prefetch}), {sc['inflight']} in flight; {pushed} pushed to the page cache")
     if dt:

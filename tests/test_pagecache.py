@@ -134,3 +134,29 @@ async def test_a_kernel_without_notify_store_disables_the_pusher_quietly():
     await push(1, 0, b"x")                # no error: the mount works without it
     await push(1, PAGE, b"x")             # and no more thread calls
     assert calls == [0]
+
+
+async def test_a_read_of_pushed_pages_means_the_kernel_dropped_them_and_everything_is_pushed_again():
+    """drop_caches (or memory pressure) empties the kernel's page cache without telling the daemon: a
+    read that reaches the daemon for pages it pushed shows it, and the feeder forgets its pushes."""
+    m, data = layout(3)
+    pushes: list[int] = []
+
+    async def push(inode: int, offset: int, piece) -> None:
+        pushes.append(offset)
+
+    feeder = PageFeeder(m, 7, push, ChunkCache(1 << 30))
+    big = max(range(len(m.chunks)), key=lambda i: m.chunks[i].raw_len)
+    lo, hi = feeder._interior(big)
+    assert hi - lo >= PAGE
+    async with trio.open_nursery() as n:
+        feeder.offer(n, big, data[m.offsets[big]:m.offsets[big + 1]])
+    assert pushes == [lo] and big in feeder.done
+    other = next(i for i in range(len(m.chunks)) if i != big and feeder._interior(i)[1] > feeder._interior(i)[0])
+    assert not feeder.lost(*feeder._interior(other))          # never pushed: an ordinary read
+    assert feeder.lost(lo, lo + PAGE)                          # pushed, and asked for again
+    feeder.forget()
+    assert not feeder.lost(lo, lo + PAGE) and big not in feeder.sent and feeder.drops == 1
+    async with trio.open_nursery() as n:
+        feeder.offer(n, big, data[m.offsets[big]:m.offsets[big + 1]])
+    assert pushes == [lo, lo]                                  # pushed again

@@ -66,3 +66,33 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     assert "p50 ms" in text and "4.00" in text and "20.00" in text
     assert "3 used, 1 wasted" in text and "(2.0 MiB) pushed" in text
     assert "file /f.bin: read_bytes 8.0 MiB, fetched_bytes 4.0 MiB" in text
+
+
+def test_pages_the_kernel_dropped_are_prefetched_again_not_fetched_one_by_one(make_config, tmp_path: Path,
+                                                                               mount) -> None:
+    """The daemon pushes what it prefetches into the kernel's page cache and drops its own copy. When
+    the kernel drops those pages (here fadvise DONTNEED; drop_caches or memory pressure alike), the
+    next read of the file must prefetch again: before, the daemon took every chunk for the kernel's
+    and fetched each on demand, one at a time."""
+    cfg = make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    data = os.urandom(48 * MiB)
+    (tmp_path / "f.bin").write_bytes(data)
+    cpfs("put", str(tmp_path / "f.bin"), "/f.bin", config=cfg)
+    m = mount(cfg)
+
+    def scheduler() -> dict:
+        return json.loads(cpfs("stats", str(m.path), "--json", config=cfg).stdout)["scheduler"]
+
+    assert (m.path / "f.bin").read_bytes() == data
+    first = scheduler()
+    fd = os.open(m.path / "f.bin", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)        # the kernel drops the file's pages
+        assert os.read(fd, 1) == data[:1]
+    finally:
+        os.close(fd)
+    assert (m.path / "f.bin").read_bytes() == data
+    second = scheduler()
+    assert second["kernel_drops"] >= 1 and first["pushed"] > 0
+    assert second["demand_fetches"] - first["demand_fetches"] <= 6, (first, second)   # of 48 chunks
+    assert second["fetched_bytes"] - first["fetched_bytes"] >= len(data) - 2 * MiB    # from the stores again
