@@ -10,7 +10,9 @@ kernel. One `PageFeeder` per version of a file, shared by all its open handles.
 The kernel may drop pages it was given (drop_caches, memory pressure) without telling us. A read that
 asks for pages of a chunk whose push completed is the sign: the feeder then forgets every push of
 the file, so the readahead fetches and pushes again instead of taking the chunks for the kernel's
-(the daemon dropped its own copies) and fetching each on demand, one at a time.
+(the daemon dropped its own copies) and fetching each on demand, one at a time. A push completes
+while the kernel's read of the same pages may already be on its way to us, so only a push older than
+RACE counts (a drop between two loads is seconds old).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .manifest import Manifest
 log = logging.getLogger(__name__)
 
 PAGE = 4096
+RACE = 1.0      # seconds: a read of pages pushed more recently may have been sent before the push
 Push = Callable[[int, int, bytes | memoryview], Awaitable[None]]   # (inode, file offset, data)
 
 
@@ -40,6 +43,7 @@ class PageFeeder:
         self.pages_done: set[int] = set()
         self.pushes = 0
         self.drops = 0                       # times the kernel was found to have dropped pushed pages
+        self.done_at: dict[int, float] = {}  # chunk -> when its interior's push completed
 
     def _interior(self, i: int) -> tuple[int, int]:
         """The whole pages of chunk i (the last page of the file counts as whole)."""
@@ -103,6 +107,7 @@ class PageFeeder:
                 on_sent()
         if chunk is not None:
             self.done.add(chunk)
+            self.done_at[chunk] = trio.current_time()
             self._release(chunk)
         else:
             assert page is not None
@@ -113,8 +118,9 @@ class PageFeeder:
     def lost(self, offset: int, end: int) -> bool:
         """Whether a read of [offset, end) asks the daemon for pages whose push completed: the kernel
         dropped them (it never asks for pages it holds)."""
+        now = trio.current_time()
         for j in self.m.chunk_range(offset, end - offset):
-            if j in self.done:
+            if j in self.done and now - self.done_at.get(j, now) >= RACE:
                 lo, hi = self._interior(j)
                 if offset < hi and lo < end:
                     return True
@@ -126,6 +132,7 @@ class PageFeeder:
         self.done.clear()
         self.pages_sent.clear()
         self.pages_done.clear()
+        self.done_at.clear()
         self.drops += 1
 
     def holds(self, i: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,7 @@ def test_pages_the_kernel_dropped_are_prefetched_again_not_fetched_one_by_one(ma
 
     assert (m.path / "f.bin").read_bytes() == data
     first = scheduler()
+    time.sleep(1.1)      # older than pagecache.RACE: a read of fresher pushes may predate them
     fd = os.open(m.path / "f.bin", os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)        # the kernel drops the file's pages
@@ -95,4 +97,4 @@ def test_pages_the_kernel_dropped_are_prefetched_again_not_fetched_one_by_one(ma
     second = scheduler()
     assert second["kernel_drops"] >= 1 and first["pushed"] > 0
     assert second["demand_fetches"] - first["demand_fetches"] <= 6, (first, second)   # of 48 chunks
-    assert second["fetched_bytes"] - first["fetched_bytes"] >= len(data) - 2 * MiB    # from the stores again
+    assert second["fetched_bytes"] - first["fetched_bytes"] >= len(data) * 3 // 4    # most from the stores again
