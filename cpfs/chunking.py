@@ -5,6 +5,22 @@ So large tensors (records of a torch zip, tensors of a safetensors file) start a
 only the small records between them share chunks: a checkpoint in which most tensors are unchanged
 then shares most chunks with its predecessor. No chunk exceeds `chunk_size`.
 
+Big zip members are cut LEAD bytes after their start and TAIL bytes before their end instead
+(`record_cuts`), for `torch.load(mmap=True)`: it reads the local header of every storage record, also
+of the tensors the caller never touches, through a buffered file, so the kernel asks for the page that
+holds the header (and the last bytes of the record before it) up to READ_BLOCK (the mount's
+st_blksize) past it. Cut at the records' ends, that read took the record's first chunk and the
+previous record's last, and reading the headers fetched most of the file (4.8x the bytes read to load
+the weights of a training checkpoint). Now it falls in one small chunk: the previous member's last
+TAIL bytes (a page), its data descriptor, the local header and the member's first LEAD bytes
+(READ_BLOCK and a page), ~24 KiB. That is as many chunks as cuts at the ends gave (the header had a
+tiny chunk of its own); a chunk of its own for the first LEAD bytes instead cost the daemon ~50% more
+CPU loading a checkpoint of 0.5-2 MiB tensors. The price: those ~24 KiB per member dedup only along
+with the local header, so not when the member's name changes (torch.save names the archive after the
+file, and numbers the storages in pickle order). Safetensors readers read no per-tensor header: its
+tensors keep their cuts at start and end. Only when chunk_size/8 > LEAD + TAIL (chunk_size above
+192 KiB; 4 MiB by default), so that every big member has room for both cuts.
+
 The cut points come from the file's tensor index when it has one (`tensor_boundaries`). A
 BoundaryScanner finds the same points from the bytes alone, in file order, so a file being written
 can be cut before its index exists (the zip directory comes last); it is also the fallback for a file
@@ -32,20 +48,36 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _SCAN_BLOCK = 1 << 20
 _MAX_SAFETENSORS_HEADER = 100 << 20
 
+PAGE = 4096
+READ_BLOCK = 16 * 1024             # the mount's st_blksize (files not being written): a buffered read
+LEAD = READ_BLOCK + PAGE           # a big zip member's bytes that share its header's chunk
+TAIL = PAGE                        # ... and the previous member's
+
+
+def record_cuts(offset: int, length: int, chunk_size: int, member: bool) -> tuple[int, ...]:
+    """The cut points a record of `length` bytes at `offset` adds: none below chunk_size/8; else its
+    start and end, or for a zip member (`member`) start + LEAD and end - TAIL (see the module doc)."""
+    min_len = max(1, chunk_size // 8)
+    if length < min_len:
+        return ()
+    if member and min_len > LEAD + TAIL:
+        return offset + LEAD, offset + length - TAIL
+    return offset, offset + length
+
 
 def tensor_boundaries(index: TensorIndex | None, chunk_size: int) -> list[int]:
-    """Sorted cut points: start and end of every tensor (or torch record) of at least chunk_size/8."""
+    """Sorted cut points of every tensor (torch: every zip member) of at least chunk_size/8, as
+    `record_cuts` places them."""
     if index is None:
         return []
-    if index.format == "torch-zip":
+    member = index.format == "torch-zip"
+    if member:
         spans: Iterable[tuple[int, int]] = ((r.offset, r.length) for r in index.records)
     else:
         spans = ((t.offset, t.length) for t in index.tensors)
-    min_len = max(1, chunk_size // 8)
-    points = set()
+    points: set[int] = set()
     for offset, length in spans:
-        if length >= min_len:
-            points.update((offset, offset + length))
+        points.update(record_cuts(offset, length, chunk_size, member))
     return sorted(points)
 
 
@@ -91,12 +123,13 @@ class _ShortRead(Exception):
 class BoundaryScanner:
     """Predicts a checkpoint's chunk cut points from its bytes, read in file order as they are written.
 
-    The cut points are those `tensor_boundaries` derives from the finished file's index: start and end
+    The cut points are those `tensor_boundaries` derives from the finished file's index: `record_cuts`
     of every record of at least chunk_size/8 bytes, records being zip members (torch) or safetensors
     tensors. Zip members are followed through their local headers; a member written with a data
     descriptor (flag bit 3, as torch.save does) ends where a descriptor signature is followed by the
-    member's own length, the only way to learn where it ends before the zip directory exists.
-    Anything else yields no cut points (fixed-size chunks).
+    member's own length, the only way to learn where it ends before the zip directory exists (and so
+    where its last cut goes: until then `known_upto` stays TAIL bytes behind the scan). Anything else
+    yields no cut points (fixed-size chunks).
 
     `advance` is blocking (it reads through `read_at`): run it in a thread. It decides only on bytes
     that exist, so advancing in steps over a growing file gives what one pass over the finished file
@@ -104,6 +137,7 @@ class BoundaryScanner:
     """
 
     def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
         self.min_len = max(1, chunk_size // 8)
         self.boundaries: list[int] = []   # sorted
         self.known_upto = 0               # every cut point below this offset is in `boundaries`
@@ -156,10 +190,10 @@ class BoundaryScanner:
         return False
 
     def _add(self, start: int, length: int) -> None:
-        if length >= self.min_len:
-            if not self.boundaries or self.boundaries[-1] < start:
-                self.boundaries.append(start)
-            self.boundaries.append(start + length)
+        """A zip member's cuts (those of a big member being scanned may be there already)."""
+        for point in record_cuts(start, length, self.chunk_size, member=True):
+            if not self.boundaries or self.boundaries[-1] < point:
+                self.boundaries.append(point)
 
     def _detect(self, read_at: ReadAt, limit: int, eof: bool) -> bool:
         if not self._have(9, limit, eof):
@@ -186,9 +220,8 @@ class BoundaryScanner:
             for name, info in header.items():
                 if name != "__metadata__":
                     begin, end = info["data_offsets"]
-                    if (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
-                            and end - begin >= self.min_len):
-                        points.update((8 + n + begin, 8 + n + end))
+                    if isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end:
+                        points.update(record_cuts(8 + n + begin, end - begin, self.chunk_size, member=False))
         except (ValueError, TypeError, KeyError, AttributeError):
             points = set()  # not safetensors after all: fixed-size chunks
         self.boundaries = sorted(points)
@@ -246,9 +279,10 @@ class BoundaryScanner:
         """Bytes below `pos` of the current member hold no descriptor."""
         self._at = pos
         if not self._big and pos - self._member >= self.min_len:
+            # Big, so it ends at or after pos: every cut but its last (at or after pos - TAIL) is known.
             self._big = True
-            self.boundaries.append(self._member)
-        self.known_upto = pos if self._big else self._member
+            self.boundaries.extend(record_cuts(self._member, pos - self._member, self.chunk_size, member=True)[:-1])
+        self.known_upto = pos - TAIL if self._big else self._member
 
 
 def _descriptor_size(tail: bytes, length: int) -> int:

@@ -17,6 +17,12 @@ also followed in file order, for `cat`). Without an index the plan is file order
   fetched and unread. The window
   crosses into the next tensor only once the reader has shown it reads whole tensors (it went on from
   one tensor into the next beyond the kernel's readahead, or read a tensor of several chunks to its end).
+- A read that starts at a torch record's zip local header (less than HEADER_REACH before its data) is
+  a loader reading that header: it lands nowhere and leaves the window as it is (a loader that goes on
+  into the data extends the stream with its next read). torch.load(mmap=True) reads every record's
+  header through a file of its own, and nothing else there: taken for a stream or for landings, those
+  reads fetched the tensors behind the headers. chunking.py cuts records so that such a read fetches
+  one small chunk.
 - A read that jumps ends the stream. If it covers a tensor's start (the kernel reads around a page
   fault), the rest of that tensor is fetched at once, in parallel, unless the reader has shown that it
   reads parts of tensors. A landing inside a tensor is judged by the next read: if that one goes on to
@@ -63,6 +69,7 @@ SLICE_TOLERANCE = 0.01     # landings this close (as a fraction of their tensors
 SLICE_AHEAD = 4            # tensors whose predicted slice is fetched ahead
 FRONTIER_SCAN = 4096       # chunks a continuity check looks across at most
 PAGE = 4096
+HEADER_REACH = 2 * PAGE    # a read from this close before a torch record's data starts at its zip header
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,7 @@ class FileReader:
             self.pref.append(pref)
         self._head = frozenset(self.layout.head)
         self._unit_starts = [u.offset for u in self.layout.units]
+        self._zipped = fmt == "torch-zip"           # records have zip local headers (`_at_header`)
         self._loader_rank = {self.layout.units[u]: k for k, u in enumerate(self.layout.loader_units)}
         self.initial = cfg.readahead_initial
         self.slack = cfg.read_ahead_kb * 1024     # the kernel reads this far past what the reader touches
@@ -544,7 +552,8 @@ class FileReader:
                 self._read_to_end(offset, end, chunks)
                 return                              # not past the reader's furthest read: nothing new
             before = self._unit(self.m.offsets[self.last_chunk]) if self.last_chunk is not None else None
-            if self.mid is not None:
+            header = self._at_header(offset)
+            if self.mid is not None and not header:
                 starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
                 if starts:
                     # The landing inside a tensor was the kernel reading around a fault at the next
@@ -562,26 +571,36 @@ class FileReader:
                     self._unpin(i)
             self.run += self.pref[k][p1 + 1] - self.pref[k][q + 1]
             self.last, self.last_chunk = p1, order[p1]
-            now = self._unit(offset)
-            before = self.prev_unit if before is not None else None
-            if before is not None and now is not None and now != before and end > now.offset + self.slack:
-                self.whole = True                   # went on from one tensor into the next
-            self.prev_unit = now
-            self._read_to_end(offset, end, chunks)
-            u = self._unit(offset)                  # not where the kernel's readahead reached
-            # A reader that stops leaves at most the first window unread: two chunks at most.
-            # Two chunks for a stream from the head (a loader reading from the start), else one.
-            first = min(self.initial, (2 if self.from_head and self.whole is not False else 1) * self.m.chunk_size)
-            self.window = min(self.max_window, max(first, self.run // 4))
             self.cursor = max(self.cursor, p1 + 1)
-            self.limit = len(order)
-            if not self.whole and u is not None:    # into the next tensor only for whole-tensor readers
-                self.limit = max(pos[u.first], pos[u.last]) + 1
+            self._read_to_end(offset, end, chunks)
+            # A zip header read says nothing of how the reader goes on and leaves the window as it is: a
+            # loader reading headers and data in turn keeps its stream, and one that reads only headers
+            # (torch.load(mmap=True) does, in a file of its own) starts none.
+            if not header:
+                now = self._unit(offset)
+                before = self.prev_unit if before is not None else None
+                if before is not None and now is not None and now != before and end > now.offset + self.slack:
+                    self.whole = True               # went on from one tensor into the next
+                self.prev_unit = now
+                u = self._unit(offset)              # not where the kernel's readahead reached
+                # A reader that stops leaves at most the first window unread: two chunks at most.
+                # Two chunks for a stream from the head (a loader reading from the start), else one.
+                first = min(self.initial, (2 if self.from_head and self.whole is not False else 1) * self.m.chunk_size)
+                self.window = min(self.max_window, max(first, self.run // 4))
+                self.limit = len(order)
+                if not self.whole and u is not None:    # into the next tensor only for whole-tensor readers
+                    self.limit = max(pos[u.first], pos[u.last]) + 1
         else:
             self._jump(offset, end, chunks)
         if self.marker is not None and (self.marker in chunks or self.pos[self.k][self.marker] <= self.last):
             self.marker = None
         self._kick()
+
+    def _at_header(self, offset: int) -> bool:
+        """Whether a read from `offset` starts at a torch record's zip local header: the kernel reads
+        from the header's page, just before the record's data (a loader reading the header)."""
+        k = bisect.bisect_right(self._unit_starts, offset)
+        return self._zipped and k < len(self._unit_starts) and self._unit_starts[k] - offset < HEADER_REACH
 
     def _read_to_end(self, offset: int, end: int, chunks: range) -> None:
         for t in self._units_in(offset, end):
@@ -618,6 +637,8 @@ class FileReader:
         self.limit = len(self.orders[0])
         for i in chunks:
             self._seen(i)
+        if self._at_header(offset):
+            return                                  # a zip header read lands nowhere (see _observe)
         # A read that covers a tensor's start (the kernel reads around a page fault) lands at that start.
         starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
         u = starts[0] if starts else self._unit(offset)

@@ -1,6 +1,7 @@
 """Where files are cut: the boundary scanner, and cut_points, which `cpfs put` and the mount share."""
 from __future__ import annotations
 
+import bisect
 import io
 import os
 import random
@@ -11,13 +12,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from cpfs.chunking import BoundaryScanner, chunk_end, cut, cut_points, tensor_boundaries
+from cpfs.chunking import (LEAD, PAGE, READ_BLOCK, TAIL, BoundaryScanner, chunk_end, cut, cut_points, record_cuts,
+                           tensor_boundaries)
 from cpfs.tensor_index import build_index
 
 
 def _checkpoints() -> dict[str, bytes]:
     rng = random.Random(7)
-    sd = {f"t{i}": torch.randn(rng.choice([1, 100, 3000, 9000, 40000])) for i in range(40)}
+    sd = {f"t{i}": torch.randn(rng.choice([1, 100, 3000, 9000, 40000, 70000])) for i in range(40)}
     sd["empty"] = torch.zeros(0)
     sd["view"] = sd["t3"][1:]
     buf = io.BytesIO()
@@ -34,10 +36,10 @@ def _checkpoints() -> dict[str, bytes]:
     }
 
 
+@pytest.mark.parametrize("chunk_size", [64 * 1024, 1024 * 1024])   # without and with the LEAD/TAIL cuts
 @pytest.mark.parametrize("kind", ["torch", "safetensors", "zipfile", "random"])
-def test_scanner_predicts_the_index_cut_points_while_bytes_arrive(kind: str) -> None:
+def test_scanner_predicts_the_index_cut_points_while_bytes_arrive(kind: str, chunk_size: int) -> None:
     data = _checkpoints()[kind]
-    chunk_size = 64 * 1024
     read_at = lambda off, n: data[off:off + n]
 
     one_pass = BoundaryScanner(chunk_size)
@@ -62,8 +64,8 @@ def test_scanner_predicts_the_index_cut_points_while_bytes_arrive(kind: str) -> 
         for info in zipfile.ZipFile(io.BytesIO(data)).infolist():
             nlen, elen = struct.unpack_from("<HH", data, info.header_offset + 26)
             start = info.header_offset + 30 + nlen + elen
-            expected += [start, start + info.compress_size]
-        assert one_pass.boundaries == expected
+            expected += record_cuts(start, info.compress_size, chunk_size, member=True)
+        assert one_pass.boundaries == expected and bool(expected) == (chunk_size == 64 * 1024)
     else:
         assert one_pass.boundaries == []
 
@@ -80,6 +82,87 @@ def test_scanner_follows_zip64_data_descriptors() -> None:
     scanner = BoundaryScanner(64 * 1024)
     scanner.advance(lambda off, n: bytes(out[off:off + n]), len(out), eof=True)
     assert scanner.boundaries == expected and scanner.done
+
+
+def test_record_cuts() -> None:
+    """Big zip members: start + LEAD and end - TAIL; other big records: start and end."""
+    mib = 1024 * 1024
+    assert record_cuts(1000, mib // 2 - 1, 4 * mib, member=True) == ()                 # below chunk_size/8
+    assert record_cuts(1000, 10 * mib, 4 * mib, member=True) == (1000 + LEAD, 1000 + 10 * mib - TAIL)
+    assert record_cuts(1000, mib // 2, 4 * mib, member=True) == (1000 + LEAD, 1000 + mib // 2 - TAIL)
+    assert record_cuts(1000, 10 * mib, 4 * mib, member=False) == (1000, 1000 + 10 * mib)   # safetensors
+    # chunk_size/8 <= LEAD + TAIL: no room for both in every big member, plain cuts
+    assert record_cuts(1000, 100_000, 8 * (LEAD + TAIL), member=True) == (1000, 101_000)
+    assert record_cuts(1000, 100_000, 8 * (LEAD + TAIL + 1), member=True) == (1000 + LEAD, 101_000 - TAIL)
+
+
+def _local_headers(data: bytes) -> dict[int, int]:
+    """Data offset -> local header offset of every member of a zip."""
+    out = {}
+    for info in zipfile.ZipFile(io.BytesIO(data)).infolist():
+        nlen, elen = struct.unpack_from("<HH", data, info.header_offset + 26)
+        out[info.header_offset + 30 + nlen + elen] = info.header_offset
+    return out
+
+
+def _save(sd: dict, name: str) -> bytes:
+    """torch.save to a file called `name` (the archive inside is named after it), as bytes."""
+    buf = io.BytesIO()
+    buf.name = name
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def test_reading_every_record_header_fetches_little() -> None:
+    """What torch.load(mmap=True) reads of the records it does not load: from the page of each local
+    header to READ_BLOCK past it. That read falls in one chunk of about LEAD + TAIL bytes (cut at the
+    records' ends: the record's first chunk and the previous record's last, several MiB); the cuts
+    from the bytes (the mount) and from the index (`cpfs put`) agree."""
+    chunk_size = 4 * 1024 * 1024
+    g = torch.Generator().manual_seed(0)
+    sizes = [3_000_000, 600_000, 100, 5_000_000, 700_000, 2_000_000, 100_000, 9_000_000]   # bytes
+    data = _save({f"t{i}": torch.randn(n // 4, generator=g) for i, n in enumerate(sizes)}, "ckpt.pt")
+    read_at = lambda off, n: data[off:off + n]
+    index = build_index(read_at, len(data))
+    points = cut_points(read_at, len(data), index, chunk_size)
+    assert points == cut_points(read_at, len(data), None, chunk_size)
+    offsets = [off for off, _ in cut(len(data), chunk_size, points)] + [len(data)]
+    headers = _local_headers(data)
+    big = [r for r in index.records if r.length >= chunk_size // 8]
+    assert len(big) == 6
+    after_big = {b.offset for a, b in zip(index.records, index.records[1:]) if a.length >= chunk_size // 8}
+    for r in big:
+        assert {r.offset + LEAD, r.offset + r.length - TAIL} <= set(offsets) and r.offset not in offsets
+        lo = headers[r.offset] // PAGE * PAGE
+        hi = -(-(headers[r.offset] + READ_BLOCK) // PAGE) * PAGE
+        first = bisect.bisect_right(offsets, lo) - 1
+        assert offsets[first + 1] == r.offset + LEAD and hi <= r.offset + LEAD      # one chunk
+        if r.offset in after_big:     # else that chunk also holds the small records before the header
+            assert offsets[first + 1] - offsets[first] <= LEAD + TAIL + PAGE
+
+
+def test_unchanged_records_keep_their_chunks_in_a_checkpoint_of_another_name() -> None:
+    """A record's first LEAD and last TAIL bytes share a chunk with a local header, which names the
+    archive: a checkpoint saved under another name with one tensor changed shares all but that tensor
+    and about LEAD + TAIL per record with its predecessor; under the same name, all but that tensor."""
+    chunk_size = 4 * 1024 * 1024
+    g = torch.Generator().manual_seed(1)
+    sd = {f"t{i}": torch.randn(n // 4, generator=g) for i, n in enumerate([2_000_000, 6_000_000, 900_000, 3_000_000])}
+    first = _save(sd, "step_100.pt")
+    sd["t2"] = sd["t2"] + 1
+    second = _save(sd, "step_200.pt")
+
+    def chunks(data: bytes) -> list[bytes]:
+        read_at = lambda off, n: data[off:off + n]
+        spans = cut(len(data), chunk_size, cut_points(read_at, len(data), build_index(read_at, len(data)), chunk_size))
+        return [data[off:off + n] for off, n in spans]
+
+    known = set(chunks(first))
+    shared = sum(len(c) for c in chunks(second) if c in known)
+    assert shared >= len(second) - 900_000 - 4 * (LEAD + TAIL + PAGE) - 64 * 1024
+    same_name = _save(sd, "step_100.pt")
+    shared = sum(len(c) for c in chunks(same_name) if c in known)
+    assert shared >= len(second) - 900_000 - 2 * (LEAD + TAIL + PAGE)
 
 
 # ---------------------------------------------------------------- cut_points

@@ -9,6 +9,7 @@ import trio.testing
 
 from cpfs.cache import ChunkCache
 from cpfs.chunk import chunk_hash
+from cpfs.chunking import LEAD, PAGE, READ_BLOCK, TAIL, cut, tensor_boundaries
 from cpfs.config import parse_config
 from cpfs.errors import ChunkUnavailable
 from cpfs.manifest import ChunkEntry, Manifest
@@ -199,13 +200,24 @@ class Kernel:
         self._mark(lo, max(0, offset + len(piece) - lo))
 
     async def read(self, reader, offset: int, size: int) -> bytes:
+        """Like the kernel: the daemon is asked for each run of missing pages the read touches. Pushes
+        under way land first (a reader takes time between reads)."""
+        await trio.testing.wait_all_tasks_blocked()
         size = min(size, self.size - offset)
-        if all(p in self.pages for p in range(offset // self.PAGE, -(-(offset + size) // self.PAGE))):
-            return bytes(self.data[offset:offset + size])
-        got = bytes(await reader.read(offset, size))
-        self.data[offset:offset + len(got)] = got
-        self._mark(offset, len(got))
-        return got
+        end = offset + size
+        missing = [p for p in range(offset // self.PAGE, -(-end // self.PAGE)) if p not in self.pages]
+        runs: list[list[int]] = []
+        for p in missing:
+            if runs and runs[-1][1] == p:
+                runs[-1][1] = p + 1
+            else:
+                runs.append([p, p + 1])
+        for lo, hi in runs:
+            start, stop = lo * self.PAGE, min(self.size, hi * self.PAGE)
+            got = bytes(await reader.read(start, stop - start))
+            self.data[start:start + len(got)] = got
+            self._mark(start, len(got))
+        return bytes(self.data[offset:end])
 
 
 def checkpoint(store: FakeStore, tensors: int = 8, per: int = 8) -> tuple[Manifest, bytes, TensorIndex]:
@@ -372,6 +384,90 @@ async def test_a_slice_reader_gets_its_slices_and_the_next_ones_ahead(autojump_c
     assert all(w == 0 for w in waits[3:])     # predicted: there before the reader came
     f = sched.statistics().files[0]
     assert f.prefetch_wasted_bytes == 0 and f.prefetch_used_bytes >= 5 * CHUNK
+
+
+def cut_checkpoint(store: FakeStore, tensors: int = 8, length: int = 768 * 1024
+                   ) -> tuple[Manifest, bytes, TensorIndex, list[int]]:
+    """A torch-zip-like file cut as chunking cuts it with 1 MiB chunks: data.pkl, then `tensors` records
+    of `length` bytes, each after its zip local header (and the previous record's data descriptor), then
+    the zip directory. Also returns the local header offsets."""
+    chunk_size = 1024 * 1024
+    records, headers, pos = [Record("archive/data.pkl", 64, 2000)], [], 2064
+    for k in range(tensors):
+        start = -(-(pos + 16 + 90) // 64) * 64       # descriptor, header; torch aligns data to 64 bytes
+        headers.append(pos + 16)
+        records.append(Record(f"archive/data/{k}", start, length))
+        pos = start + length
+    size = pos + 16 + 1000
+    ts = tuple(TensorEntry(f"t{k}", "float32", (length // 4,), (1,), str(k), r.offset, length)
+               for k, r in enumerate(records[1:]))
+    index = TensorIndex("torch-zip", tuple(records), ts, file_size=size, directory_offset=pos + 16)
+    data = random.Random(0).randbytes(size)
+    chunks = []
+    for off, n in cut(size, chunk_size, tensor_boundaries(index, chunk_size)):
+        piece = data[off:off + n]
+        store.blobs[chunk_hash(piece)] = piece
+        chunks.append(ChunkEntry(chunk_hash(piece), n, n, "raw", ("s",)))
+    return Manifest("/f", size, 0, 0o644, chunk_size, tuple(chunks), 1, None), data, index, headers
+
+
+def header_read(h: int) -> tuple[int, int]:
+    """What the kernel asks for when a buffered reader (st_blksize READ_BLOCK) reads a local header at h."""
+    lo = h // PAGE * PAGE
+    return lo, -(-(h + READ_BLOCK) // PAGE) * PAGE - lo
+
+
+async def test_reading_every_zip_header_fetches_those_chunks_and_nothing_ahead(autojump_clock):
+    """torch.load(mmap=True) reads the local header of every record through a buffered file (and the
+    data through a mapping of its own): the header reads land nowhere and move no stream, so nothing
+    is fetched but the chunks they touch, the header's and the record's small first one (LEAD)."""
+    store = FakeStore(latency=0.008)
+    m, data, index, headers = cut_checkpoint(store)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(256 * CHUNK), store.fetch, config(max=64 * CHUNK), on_chunk=kernel.push)
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        await trio.sleep(1)
+        head = set(fetched(store, m))
+        for h in headers:
+            lo, size = header_read(h)
+            assert await kernel.read(reader, lo, size) == data[lo:lo + size]
+            await trio.sleep(0.02)
+        await trio.sleep(1)
+        await reader.aclose()
+    touched = {i for h in headers for i in m.chunk_range(*header_read(h))}
+    got = fetched(store, m)
+    assert set(got) == head | touched and len(got) == len(set(got))
+    assert sum(m.chunks[i].raw_len for i in touched) <= len(headers) * (LEAD + TAIL + 2 * PAGE)
+    f = sched.statistics().files[0]
+    assert f.prefetched_bytes == sum(m.chunks[i].raw_len for i in head) and f.pattern != "stream"
+
+
+async def test_a_loader_reading_headers_and_data_in_file_order_is_one_stream(autojump_clock):
+    """torch.load without mmap on the same layout: each record's header read, then its data. The header
+    reads (the first of each record) do not break the stream: each chunk is fetched once, most ahead."""
+    store = FakeStore(latency=0.008)
+    m, data, index, headers = cut_checkpoint(store, tensors=16)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(256 * CHUNK), store.fetch, config(max=64 * CHUNK), on_chunk=kernel.push)
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        await trio.sleep(1)
+        t0 = trio.current_time()
+        for h, r in zip(headers, index.records[1:]):
+            lo, size = header_read(h)
+            assert await kernel.read(reader, lo, size) == data[lo:lo + size]
+            for off in range(lo + size, r.offset + r.length, 16 * 1024):
+                n_ = min(16 * 1024, r.offset + r.length - off)
+                assert await kernel.read(reader, off, n_) == data[off:off + n_]
+        elapsed = trio.current_time() - t0
+        await reader.aclose()
+    got = fetched(store, m)
+    assert len(got) == len(set(got)) and set(range(len(m.chunks) - 1)) <= set(got)
+    f = sched.statistics().files[0]
+    serial = len(m.chunks) * 0.008
+    print(f"headers and data in file order: {elapsed / serial:.2f} of serial, {f}")
+    assert f.pattern == "stream" and f.demand_fetches <= 8 and elapsed < serial / 3
 
 
 async def test_demand_reads_do_not_queue_behind_prefetch(autojump_clock):

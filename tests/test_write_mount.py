@@ -429,6 +429,39 @@ def test_kill_9_during_torch_save_leaves_the_previous_version(make_config, tmp_p
     assert not dead.exists(), "the next daemon removed it"
 
 
+def test_torch_save_through_the_mount_cuts_like_cpfs_put(make_config, tmp_path, mount):
+    """A checkpoint torch.save'd through the mount (cut by the boundary scanner while it is written) and
+    the same bytes put with `cpfs put` (cut from the tensor index) have the same chunks, cut LEAD bytes
+    into each big record and TAIL bytes before its end; torch.load(mmap=True) of it reads it back."""
+    from cpfs.chunking import LEAD, TAIL
+
+    cfg = config(make_config, tmp_path, chunk_size="4MiB", cache="256MiB")
+    m = mount(cfg)
+    g = torch.Generator().manual_seed(3)
+    sizes = [6_000_000, 300_000, 1_500_000, 800_000, 4_500_000, 2_000, 9_000_000]      # bytes of bf16
+    sd = {f"layers.{i}.w": torch.randn(n // 2, generator=g).to(torch.bfloat16) for i, n in enumerate(sizes)}
+    torch.save(sd, m.path / "step_7.pt")
+    stored = {f.name for f in stores_of(cfg).glob("*/chunks/*/*")}
+    local = tmp_path / "local"              # same file name: torch.save names the archive's folder after it
+    local.mkdir()
+    torch.save(sd, local / "step_7.pt")
+    cpfs("put", str(local / "step_7.pt"), "/imported/step_7.pt", config=cfg)
+
+    written, imported = inspect(cfg, "step_7.pt"), inspect(cfg, "imported/step_7.pt")
+    # Write-behind stored only chunks of the final layout: the scanner predicted every cut in time.
+    assert stored == {c[0] for c in written["chunks"]}
+    assert written["size"] == imported["size"] == (local / "step_7.pt").stat().st_size
+    assert [c[:2] for c in written["chunks"]] == [c[:2] for c in imported["chunks"]]
+    offsets = {0}
+    for c in written["chunks"]:
+        offsets.add(max(offsets) + c[1])
+    big = [r for r in written["tensor_index"]["records"] if r["length"] >= 512 * 1024]
+    assert len(big) == 5
+    for r in big:
+        assert {r["offset"] + LEAD, r["offset"] + r["length"] - TAIL} <= offsets, r
+    assert_same(torch.load(m.path / "step_7.pt", weights_only=True, mmap=True), sd)
+
+
 # ---------------------------------------------------------------------------------------------------
 # dedup between checkpoints
 

@@ -20,13 +20,14 @@ import trio
 
 from conftest import write_config
 from cpfs.catalog import Catalog
+from cpfs.chunking import LEAD
 from cpfs.config import Config, load_config
 from cpfs.errors import NotFound, StoreError, StoreFull
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
 from cpfs.store import StoreWrapper, open_store
-from cpfs.tensor_index import build_index
+from cpfs.tensor_index import TensorIndex, build_index
 from cpfs.writer import StagingError, WriteSession
 
 MiB = 1024 * 1024
@@ -148,6 +149,10 @@ async def test_torch_save_round_trips_and_cuts_like_the_importer(env: Env, tmp_p
     copy.write_bytes(staged)
     imported = await Importer(env.pool, env.catalog).put_file(copy, "/imported.pt")
     assert [c.digest for c in imported.chunks] == [c.digest for c in m.chunks]
+    # ... including the small first chunk of every big record (chunking.LEAD), which the scanner has to
+    # predict while the bytes arrive.
+    big = [r for r in TensorIndex.from_json(m.tensor_index).records if r.length >= env.config.chunk_size // 8]
+    assert len(big) >= 10 and {r.offset + LEAD for r in big} <= set(m.offsets)
 
 
 async def test_torch_zip_without_index_cuts_like_the_importer(env: Env, tmp_path: Path) -> None:
