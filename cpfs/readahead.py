@@ -459,8 +459,7 @@ class FileReader:
     def _take(self, i: int, hold: bool = False) -> bool:
         """Chunk i is in hand, or is now: a chunk our cache holds is claimed (pinned) and handled as a
         finished prefetch (pushed to the kernel, or held). Unclaimed, the prefetches that follow it
-        could evict it before the reader comes (LRU): a second load of a file larger than the cache
-        then found most chunks gone and fetched each on demand, one at a time."""
+        could evict it (LRU) before the reader comes, who would then wait for a fetch on demand."""
         if i in self.pinned or i in self.inflight or self._in_kernel(i):
             return True
         size = self.m.chunks[i].raw_len
