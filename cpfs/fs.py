@@ -172,7 +172,7 @@ class CpfsOperations(pyfuse3.Operations):
         a.st_blksize = WRITE_BLOCK if w is not None else READ_BLOCK
         a.st_uid = m.uid if m is not None and m.uid is not None else self._uid
         a.st_gid = m.gid if m is not None and m.gid is not None else self._gid
-        a.st_nlink = 1
+        a.st_nlink = len(node.names)      # a file's hard links (a folder's count is set below)
         a.st_size = 0
         mtime = m.mtime_ns if m is not None else 0
         ctime = m.ctime_ns if m is not None and m.ctime_ns is not None else mtime
@@ -191,12 +191,10 @@ class CpfsOperations(pyfuse3.Operations):
             if s.attributes.get("gid") is not None:
                 a.st_gid = s.attributes["gid"]
             a.st_size = s.size
-            a.st_nlink = len(node.names)
             mtime, ctime = s.mtime_ns, time.time_ns()
             atime = s.attributes.get("atime_ns") or mtime
             a.attr_timeout = 0
         else:
-            a.st_nlink = len(node.names)         # hard links
             a.st_mode = stat.S_IFREG | ((m.mode if m else 0o644) & 0o7777)
             if m is None:
                 mtime = ctime = atime = time.time_ns()
@@ -677,7 +675,7 @@ class CpfsOperations(pyfuse3.Operations):
         one transaction)."""
         m = await self._manifest(node)
         with self._changing(*node.names):
-            committed = await self.catalog.transact([dataclasses.replace(m, path=p, **changes) for p in node.names])
+            committed = await self.catalog.transact(m.at(node.names, **changes))
             node.set_version(committed[0])
 
     # -- extended attributes ("user." only; stored in the summary, see cpfs/manifest.py) -------------
@@ -790,8 +788,7 @@ class CpfsOperations(pyfuse3.Operations):
         others = [p for p in node.names if p != path]
         now = time.time_ns()
         with self._changing(*node.names):
-            committed = await self.catalog.transact([dataclasses.replace(m, path=p, ctime_ns=now) for p in others],
-                                                    [dataclasses.replace(m, path=path)])
+            committed = await self.catalog.transact(m.at(others, ctime_ns=now), m.at([path]))
             if path in node.names:
                 self.ns.remove_name(node, path)
             node.set_version(committed[0])
@@ -843,12 +840,12 @@ class CpfsOperations(pyfuse3.Operations):
                                        **({"ctime_ns": now} if f is node else {}))   # as on Linux
                    for (p, f), m in zip(moving, old)]
             # A renamed or replaced file's other names (hard links) show its new ctime.
-            touched = [dataclasses.replace(m, path=q, ctime_ns=now) for (p, f), m in zip(moving, old)
-                       if f is node for q in f.names if q != p]
+            touched: list[Manifest] = []
+            if moving and moving[0][1] is node:               # entries() lists the node first
+                touched = old[0].at([q for q in node.names if q != old_path], ctime_ns=now)
             replaced: list[Manifest] = []      # the target's other names, if it has some
             if t is not None and not t.is_dir and t.aliases and t.summary is not None:
-                tm = await self._manifest(t)
-                replaced = [dataclasses.replace(tm, path=q, ctime_ns=now) for q in t.names if q != new_path]
+                replaced = (await self._manifest(t)).at([q for q in t.names if q != new_path], ctime_ns=now)
             if (old_path not in node.names and not node.is_dir) or not self.ns.is_current(node) \
                     or (node.is_dir and node.path != old_path) or new_parent.children.get(new_name) != target:
                 raise pyfuse3.FUSEError(errno.EAGAIN)     # changed while the manifests were read
@@ -931,7 +928,7 @@ class CpfsOperations(pyfuse3.Operations):
         link = node.summary.link or secrets.token_hex(8)
         m = dataclasses.replace(await self._manifest(node), link=link, ctime_ns=time.time_ns())
         with self._changing(*node.names, path):
-            committed = await self.catalog.transact([dataclasses.replace(m, path=p) for p in [*node.names, path]])
+            committed = await self.catalog.transact(m.at([*node.names, path]))
             if (other := parent.children.get(name)) is not None:    # a listing showed it meanwhile
                 self._drop(self.ns.node(other), path)
             self.ns.add_name(node, path)

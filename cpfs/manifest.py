@@ -18,9 +18,11 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import dataclasses
 import json
 import posixpath
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -160,6 +162,11 @@ class Manifest:
     @property
     def summary(self) -> Summary:
         return Summary(**{k: getattr(self, k) for k in _SUMMARY_KEYS if k != "format"})
+
+    def at(self, paths: Iterable[str], **changes: Any) -> list["Manifest"]:
+        """This version under each of `paths` (the names of a hard-linked file, a transaction's paths),
+        with `changes` to its fields."""
+        return [dataclasses.replace(self, path=p, **changes) for p in paths]
 
     @cached_property
     def offsets(self) -> list[int]:

@@ -38,7 +38,6 @@ stored, whether by write-behind or by flush.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import errno
 import logging
 import time
@@ -635,11 +634,8 @@ class WriteSession:
                             **{"ctime_ns": time.time_ns(), **self.attributes})  # type: ignore[arg-type]
         if reason is not None:
             return await self._refuse(manifest, mod, reason, closing)
-        if self.also:        # one transaction: every name of the file shows the new version, or none
-            names = [dataclasses.replace(manifest, path=p) for p in self.also]
-            manifest = (await self._catalog.transact([manifest, *names]))[0]
-        else:
-            manifest = await self._catalog.commit(manifest)
+        # One transaction: every name of the file (hard links) shows the new version, or none does.
+        manifest = (await self._catalog.transact(manifest.at([self.path, *self.also])))[0]
         layout = set(spans)  # uploads outside it: overwritten, or the final layout cut differently
         self._discarded += sum(1 for key, (_, pending) in self._clean.items() if pending and key not in layout)
         self._clean = {span: (entry, False) for span, entry in zip(spans, entries)}
