@@ -59,7 +59,7 @@ class EncodedChunk:
     digest: str
     raw_len: int
     codec: str
-    blob: bytes           # header + payload, as stored
+    blob: bytes | bytearray    # header + payload, as stored
 
     @property
     def stored_len(self) -> int:
@@ -68,7 +68,17 @@ class EncodedChunk:
 
 def encode(data: bytes | memoryview, compression: str = "lz4", digest: str | None = None) -> EncodedChunk:
     """Hash and (if it pays) compress raw bytes. Blocking: call from a worker thread."""
-    raw = memoryview(data)
+    return _encode(memoryview(data), compression, digest, None)
+
+
+def encode_framed(framed: bytearray, compression: str = "lz4") -> EncodedChunk:
+    """`encode` of the raw bytes that follow HEADER_SIZE spare bytes in `framed`. A chunk kept raw (trained
+    weights do not compress) is then stored from `framed` itself, its header written in place: no copy of
+    its bytes, where `encode` copies them twice (~0.2 CPU-s per GiB saved)."""
+    return _encode(memoryview(framed)[HEADER_SIZE:], compression, None, framed)
+
+
+def _encode(raw: memoryview, compression: str, digest: str | None, framed: bytearray | None) -> EncodedChunk:
     digest = digest or chunk_hash(raw)
     payload: bytes | memoryview = raw
     codec = CODEC_RAW
@@ -77,6 +87,9 @@ def encode(data: bytes | memoryview, compression: str = "lz4", digest: str | Non
         if len(packed) <= len(raw) * (1 - MIN_SAVING):
             payload, codec = packed, CODEC_LZ4
     header = _HEADER.pack(MAGIC, VERSION, codec, 0, len(raw), len(payload), 0)
+    if codec == CODEC_RAW and framed is not None:
+        framed[:HEADER_SIZE] = header
+        return EncodedChunk(digest, len(raw), CODEC_NAMES[codec], framed)
     return EncodedChunk(digest, len(raw), CODEC_NAMES[codec], header + bytes(payload))
 
 

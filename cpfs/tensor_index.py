@@ -48,7 +48,7 @@ _SAFETENSORS_DTYPES = {
 }
 _FORMATS = ("torch-zip", "safetensors")
 # Caps keep a hostile file from making the indexer allocate or loop without bound.
-_MAX_PICKLE = 64 << 20
+MAX_PICKLE = 64 << 20
 _MAX_CENTRAL_DIR = 64 << 20
 _MAX_SAFETENSORS_HEADER = 100 << 20
 # data.pkl work, in budget units (see _Budget): at most so many per byte of pickle, plus a slack,
@@ -408,6 +408,7 @@ class _PickleMachine:
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
         self.created: list[_Tensor] = []
+        self.storage_bytes: dict[str, int] = {}  # key -> numel x itemsize, as the persistent ids say
 
     def run(self) -> Any:
         budget, handlers = self.budget, _OPCODES
@@ -542,6 +543,8 @@ class _PickleMachine:
         if (type(pid) is not tuple or len(pid) < 3 or type(pid[0]) is not str or pid[0] != "storage"
                 or type(pid[1]) is not _StorageType or type(pid[2]) is not str):
             raise _Malformed("unsupported persistent id")
+        if len(pid) >= 5 and type(pid[4]) is int and pid[4] >= 0:
+            self.storage_bytes[pid[2]] = pid[4] * _ITEMSIZE[pid[1].dtype]
         self.stack.append(_Storage(pid[2], pid[1].dtype))
 
     def _target(self, kind: type) -> Any:
@@ -703,8 +706,8 @@ def _build_torch(read_at: ReadAt, size: int) -> TensorIndex:
     pkl = by_name.get(f"{root}/data.pkl")
     if pkl is None:
         raise _Malformed(f"no {root}/data.pkl")
-    if pkl.length > _MAX_PICKLE:
-        raise _GaveUp(f"data.pkl of {pkl.length} bytes is over the {_MAX_PICKLE} byte limit")
+    if pkl.length > MAX_PICKLE:
+        raise _GaveUp(f"data.pkl of {pkl.length} bytes is over the {MAX_PICKLE} byte limit")
     data = _read_exact(read_at, pkl.offset, pkl.length)
     machine = _PickleMachine(data)
     named = _collect(machine.run(), _Budget(len(data), _WALK_PER_BYTE, _MAX_WALK))
@@ -716,6 +719,21 @@ def _build_torch(read_at: ReadAt, size: int) -> TensorIndex:
             spans[t.seq] = _tensor_span(t, by_name, f"{root}/data/")
         tensors.append(TensorEntry(name, t.dtype, t.shape, t.stride, t.storage.key, *spans[t.seq]))
     return TensorIndex("torch-zip", tuple(records), tuple(tensors), size, cd_offset)
+
+
+def storage_sizes(pickle: bytes) -> dict[str, int]:
+    """Byte length of every storage a torch `data.pkl` names (numel x itemsize, from its persistent
+    ids): where each `data/<key>` record ends, known as soon as the pickle is written (torch.save writes
+    it first), long before the zip directory. Empty if the pickle is not one we read. Blocking (bounded
+    by the pickle's size, as build_index): run it in a worker thread."""
+    if len(pickle) > MAX_PICKLE:
+        return {}
+    machine = _PickleMachine(pickle)
+    try:
+        machine.run()
+    except _Malformed:
+        return {}
+    return machine.storage_bytes
 
 
 def _tensor_span(t: _Tensor, by_name: dict[str, Record], prefix: str) -> tuple[int, int]:

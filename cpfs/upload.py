@@ -33,10 +33,14 @@ R = TypeVar("R")
 def encode_span(fd: int, offset: int, length: int, compression: str, name: str) -> chunkfmt.EncodedChunk:
     """Bytes [offset, offset+length) of the open file `name`, encoded as a chunk. Blocking: run it in
     a thread."""
-    data = os.pread(fd, length, offset)
-    if len(data) != length:
-        raise CpfsError(f"{name}: short read at offset {offset}: the file shrank meanwhile")
-    return chunkfmt.encode(data, compression)
+    framed = bytearray(chunkfmt.HEADER_SIZE + length)   # read where the stored chunk has its bytes
+    view = memoryview(framed)[chunkfmt.HEADER_SIZE:]
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise CpfsError(f"{name}: short read at offset {offset}: the file shrank meanwhile")
+        view, offset = view[n:], offset + n
+    return chunkfmt.encode_framed(framed, compression)
 
 
 @dataclass(frozen=True)

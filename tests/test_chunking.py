@@ -7,6 +7,7 @@ import os
 import random
 import struct
 import zipfile
+import zlib
 
 import pytest
 import safetensors.torch
@@ -82,6 +83,53 @@ def test_scanner_follows_zip64_data_descriptors() -> None:
     scanner = BoundaryScanner(64 * 1024)
     scanner.advance(lambda off, n: bytes(out[off:off + n]), len(out), eof=True)
     assert scanner.boundaries == expected and scanner.done
+
+
+def test_scanning_a_torch_save_reads_its_headers_not_its_tensors() -> None:
+    """data.pkl gives each storage record's length, so the scanner reads a local header and the
+    descriptor where that length puts it, never the tensors' bytes, in one pass or as bytes arrive."""
+    g = torch.Generator().manual_seed(3)
+    data = _save({f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([700_000, 5, 300_000, 1_200_000, 40])},
+                 "ckpt.pt")
+    for steps in ([len(data)], list(range(4096, len(data), 65_536)) + [len(data)]):
+        scanner, read = BoundaryScanner(1024 * 1024), 0
+
+        def read_at(off: int, n: int) -> bytes:
+            nonlocal read
+            read += n
+            return data[off:off + n]
+
+        for limit in steps:
+            scanner.advance(read_at, limit, eof=limit == len(data), budget=1 << 40)
+        index = build_index(lambda off, n: data[off:off + n], len(data))
+        assert scanner.done and scanner.boundaries == tensor_boundaries(index, 1024 * 1024)
+        assert len(scanner.boundaries) == 6 and read < len(data) // 100   # 8.8 MB of tensors, ~20 KB read
+
+
+def test_a_pickle_that_misstates_a_length_gets_the_cuts_of_the_bytes() -> None:
+    """A data.pkl whose storage lengths do not match the records that follow it (not torch.save's,
+    or a lie): the descriptor is not where it says, and the member's end is found by scanning. While
+    the bytes arrive the scanner trusts the pickle (a wrong prediction costs the writer an upload);
+    the cuts it ends with are those of the bytes."""
+    g = torch.Generator().manual_seed(4)
+    real = zipfile.ZipFile(io.BytesIO(_save({"a": torch.randn(90_000, generator=g), "b": torch.randn(1000)}, "x.pt")))
+    liar = zipfile.ZipFile(io.BytesIO(_save({"a": torch.randn(60_000), "b": torch.randn(45_000)}, "x.pt")))
+    assert len(real.read("archive/data/0")) == 360_000 and len(liar.read("archive/data/0")) == 240_000
+    assert len(real.read("archive/data/1")) == 4000 and len(liar.read("archive/data/1")) == 180_000
+    out, expected = bytearray(), []
+    for name, body in [("archive/data.pkl", liar.read("archive/data.pkl")), ("archive/data/0", real.read("archive/data/0")),
+                       ("archive/data/1", real.read("archive/data/1")), ("archive/other", os.urandom(30_000))]:
+        encoded = name.encode()
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 8, 0, 0, 0, 0, 0, 0, len(encoded), 0) + encoded
+        expected += record_cuts(len(out), len(body), 64 * 1024, member=True)
+        out += body + struct.pack("<IIII", 0x08074B50, zlib.crc32(body), len(body), len(body))
+    out += b"PK\x01\x02" + bytes(60)
+    data = bytes(out)
+    for steps in ([len(data)], list(range(1000, len(data), 3_000)) + [len(data)]):
+        scanner = BoundaryScanner(64 * 1024)
+        for limit in steps:
+            scanner.advance(lambda off, n: data[off:off + n], limit, eof=limit == len(data), budget=1 << 40)
+        assert scanner.done and scanner.boundaries == expected and len(expected) == 4   # data/1 is small
 
 
 def test_record_cuts() -> None:

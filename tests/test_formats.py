@@ -39,6 +39,14 @@ def test_chunk_round_trip(data: bytes) -> None:
     assert chunkfmt.chunk_key(enc.digest) == f"chunks/{enc.digest[:2]}/{enc.digest}"
 
 
+@pytest.mark.parametrize("data", [os.urandom(300_000), bytes(300_000), b"", os.urandom(5)])
+def test_encode_framed_is_encode_and_keeps_raw_chunks_in_place(data: bytes) -> None:
+    framed = bytearray(chunkfmt.HEADER_SIZE) + data
+    enc = chunkfmt.encode_framed(framed)
+    assert enc == chunkfmt.encode(data) and chunkfmt.decode(bytes(enc.blob), enc.digest) == data
+    assert (enc.blob is framed) == (enc.codec == "raw") and (enc.codec == "lz4") == (data == bytes(300_000))
+
+
 def test_codec_choice() -> None:
     """lz4 is kept only where it shrinks the data; random data and compression='none' are stored raw."""
     text = _compressible(1 << 20)

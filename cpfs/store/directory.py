@@ -369,6 +369,10 @@ class DirectoryStore(Store):
                 while view:
                     view = view[os.write(fd, view):]
                 os.fsync(fd)
+                # Clean now, and never read through the page cache (reads are O_DIRECT or drop their
+                # pages too): freed at once, the next put reuses these pages instead of faulting in
+                # fresh ones, which costs this VM's host ~1.5 s/GiB and any host the page-cache churn.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
             os.rename(tmp, path)
