@@ -153,6 +153,9 @@ class BoundaryScanner:
         self._pickle: bytes | None = None  # a torch zip's archive folder while its data.pkl is scanned
         self._sizes: dict[bytes, int] = {}  # member name -> length, from that data.pkl
         self._expect = 0                  # the length data.pkl gives the member being skipped
+        # Byte ranges of finished tensor records (big zip members but data.pkl; a safetensors file's
+        # data): readers of the index never read them, so a writer may drop them from staging.
+        self.interiors: list[tuple[int, int]] = []
 
     @property
     def done(self) -> bool:
@@ -161,6 +164,7 @@ class BoundaryScanner:
     def copy(self) -> BoundaryScanner:
         clone = copy.copy(self)
         clone.boundaries = list(self.boundaries)
+        clone.interiors = list(self.interiors)
         return clone
 
     def advance(self, read_at: ReadAt, limit: int, eof: bool = False, budget: int = 8 << 20) -> None:
@@ -195,11 +199,28 @@ class BoundaryScanner:
             self.need = end
         return False
 
+    @property
+    def settled_upto(self) -> int:
+        """Every tensor record that ends at or below this offset is in `interiors`."""
+        if self.done:
+            return _INF
+        if self._state in ("zip_data", "zip_skip"):
+            return self._member
+        return self._at if self._state == "zip_header" else 0
+
+    def inside_record(self, start: int, end: int) -> bool:
+        """Whether bytes [start, end) lie within one of `interiors`."""
+        i = bisect.bisect_right(self.interiors, (start, _INF)) - 1
+        return i >= 0 and self.interiors[i][1] >= end
+
     def _add(self, start: int, length: int) -> None:
         """A zip member's cuts (those of a big member being scanned may be there already)."""
-        for point in record_cuts(start, length, self.chunk_size, member=True):
+        points = record_cuts(start, length, self.chunk_size, member=True)
+        for point in points:
             if not self.boundaries or self.boundaries[-1] < point:
                 self.boundaries.append(point)
+        if points and self._pickle is None:
+            self.interiors.append((start, start + length))
 
     def _detect(self, read_at: ReadAt, limit: int, eof: bool) -> bool:
         if not self._have(9, limit, eof):
@@ -221,6 +242,7 @@ class BoundaryScanner:
         if not self._have(8 + n, limit, eof):
             return False
         points: set[int] = set()
+        data_end = 8 + n
         try:
             header = json.loads(self._read(read_at, 8, n))
             for name, info in header.items():
@@ -228,9 +250,12 @@ class BoundaryScanner:
                     begin, end = info["data_offsets"]
                     if isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end:
                         points.update(record_cuts(8 + n + begin, end - begin, self.chunk_size, member=False))
+                        data_end = max(data_end, 8 + n + end)
         except (ValueError, TypeError, KeyError, AttributeError):
             points = set()  # not safetensors after all: fixed-size chunks
         self.boundaries = sorted(points)
+        if points:
+            self.interiors = [(8 + n, data_end)]
         self._finish()
         return True
 

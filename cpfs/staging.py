@@ -7,15 +7,78 @@ OSErrors come back as StagingError carrying their errno.
 """
 from __future__ import annotations
 
+import bisect
+import ctypes
 import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import trio
 
 from .errors import CpfsError
+
+
+V = TypeVar("V")
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _punch(fd: int, spans: list[tuple[int, int]]) -> int:
+    """Free the blocks and pages of each (offset, length), in order; how many were freed before a
+    refusal (EOPNOTSUPP: a filesystem without hole punching)."""
+    for done, (offset, length) in enumerate(spans):
+        if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+                return done
+            raise OSError(err, os.strerror(err))
+    return len(spans)
+
+
+class Spans(Generic[V]):
+    """Non-overlapping byte ranges (offset -> length and a value), sorted: which parts of a staging
+    file hold no bytes because they live elsewhere (a base version's chunks, stored chunks dropped)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._spans: dict[int, tuple[int, V]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def add(self, offset: int, length: int, value: V) -> None:
+        assert offset not in self._spans and not self.overlapping(offset, offset + length)
+        bisect.insort(self._starts, offset)
+        self._spans[offset] = (length, value)
+
+    def get(self, offset: int) -> tuple[int, V] | None:
+        return self._spans.get(offset)
+
+    def pop(self, offset: int) -> None:
+        if self._spans.pop(offset, None) is not None:
+            del self._starts[bisect.bisect_left(self._starts, offset)]
+
+    def overlapping(self, start: int, end: int) -> list[int]:
+        """Offsets of the ranges holding any byte of [start, end)."""
+        starts, out = self._starts, []
+        i = max(0, bisect.bisect_right(starts, start) - 1)
+        while i < len(starts) and starts[i] < end:
+            if starts[i] + self._spans[starts[i]][0] > start:
+                out.append(starts[i])
+            i += 1
+        return out
+
+    def copy(self) -> Spans[V]:
+        """A snapshot, for a worker thread to consult while the event loop changes the original."""
+        clone: Spans[V] = Spans()
+        clone._starts, clone._spans = list(self._starts), dict(self._spans)
+        return clone
 
 
 class StagingError(CpfsError):
@@ -92,6 +155,11 @@ class StagingFile:
 
     async def truncate(self, size: int) -> None:
         await self.run(os.ftruncate, await self.fd(), size, limiter=self._io)
+
+    async def punch(self, spans: list[tuple[int, int]]) -> int:
+        """Drop these byte ranges (their blocks and page-cache pages; they read as zeros after); how many,
+        in order, before the filesystem refused (no hole punching)."""
+        return await self.run(_punch, await self.fd(), spans, limiter=self._io)
 
     def read_at(self, offset: int, length: int) -> bytes:
         """Blocking read of the file once created, for work in `run`."""

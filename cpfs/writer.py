@@ -42,7 +42,8 @@ import errno
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +55,7 @@ from .completeness import incomplete_reason
 from .errors import CpfsError, IncompleteFile, StoreError, WriteFailed
 from .manifest import ChunkEntry, Manifest, normalize_path
 from .pool import StorePool
-from .staging import StagingError, StagingFile
+from .staging import Spans, StagingError, StagingFile
 from .tensor_index import TensorIndex, build_index, index_file
 from .upload import Uploader, encode_span, in_parallel
 
@@ -78,6 +79,8 @@ class WriterStats:
     bytes_uploaded: int         # stored (compressed) bytes sent to stores, all replicas
     new_raw_bytes: int          # raw bytes of chunks_uploaded: what this session added to the stores
     base_chunks_fetched: int    # base chunks copied into the staging file
+    chunks_dropped: int         # streamed chunks dropped from the staging file (their bytes are stored)
+    dropped_fetched: int        # ... and copied back into it (read, or changed, while the file is open)
     buffered_bytes: int         # chunk bytes in memory now (encoding, uploading, fetching)
     peak_buffered_bytes: int
     uploads_in_flight: int      # write-behind uploads running
@@ -96,6 +99,14 @@ class _Signal:
 
     async def wait(self) -> None:
         await self._event.wait()
+
+
+@dataclass(frozen=True)
+class _Away:
+    """Bytes of the file that the staging file does not hold: a base chunk (`base`: its index, fetched
+    through the session's `fetch`), or a chunk write-behind stored and dropped from staging (None)."""
+    entry: ChunkEntry
+    base: int | None
 
 
 class _Flight:
@@ -158,12 +169,20 @@ class WriteSession:
         self._clean: dict[Span, tuple[ChunkEntry, bool]] = {}
         self._clean_keys: list[Span] = []     # sorted
         self._max_span = self._cs
-        self._unfetched: set[int] = set()     # base chunks not in the staging file yet
-        self._fetching: dict[int, trio.Event] = {}
+        self._away: Spans[_Away] = Spans()     # bytes not in the staging file (see _Away)
+        self._fetching: dict[int, trio.Event] = {}   # by offset: away spans being copied back
         if base is not None:
             for i, c in enumerate(base.chunks):
                 self._add_clean((base.offsets[i], c.raw_len), c, pending=False)
-            self._unfetched = set(range(len(base.chunks)))
+                self._away.add(base.offsets[i], c.raw_len, _Away(c, i))
+        # Dropping stored spans from staging (see _drop_settled); reads of staged bytes count as
+        # readers, and no drop punches while one runs nor a read starts on a range being punched.
+        self._droppable: list[Span] = []      # streamed spans, waiting for their record to be finished
+        self._can_drop = True                 # until the staging filesystem refuses hole punching
+        self._readers = 0
+        self._no_readers = _Signal()
+        self._dropping: Span | None = None    # (start, end) being punched
+        self._dropped = _Signal()
 
         # Write-behind.
         self._streaming = base is None or base.size == 0
@@ -183,6 +202,7 @@ class WriteSession:
 
         self._bytes_written = self._reused = self._streamed = self._discarded = 0
         self._fetched = self._buffered = self._peak = self._commits = 0
+        self._drops = self._refetched = 0
         nursery.start_soon(self._pump)
 
     # ------------------------------------------------------------------ public
@@ -207,6 +227,7 @@ class WriteSession:
             chunks_deduped=up.chunks_deduped, chunks_reused=self._reused, chunks_streamed=self._streamed,
             chunks_discarded=self._discarded, bytes_uploaded=up.stored_bytes,
             new_raw_bytes=up.new_raw_bytes, base_chunks_fetched=self._fetched,
+            chunks_dropped=self._drops, dropped_fetched=self._refetched,
             buffered_bytes=self._buffered, peak_buffered_bytes=self._peak,
             uploads_in_flight=len(self._inflight), commits=self._commits)
 
@@ -220,7 +241,7 @@ class WriteSession:
             self._check_poisoned()
             end = offset + len(data)
             try:
-                if self._unfetched:
+                if self._away:
                     await self._before_change(offset, end)
                 await self._file.pwrite(data, offset)
             except BaseException as e:
@@ -248,11 +269,8 @@ class WriteSession:
         end = min(offset + size, self._size)
         if offset < 0 or offset >= end:
             return b""
-        if self._unfetched:
-            assert self._base is not None
-            for i in self._base.chunk_range(offset, end - offset):
-                await self._materialise(i)
-        return await self._file.pread(offset, end - offset)
+        async with self._reading(offset, end):
+            return await self._file.pread(offset, end - offset)
 
     async def truncate(self, size: int) -> None:
         if size < 0:
@@ -264,7 +282,7 @@ class WriteSession:
             if size == old:
                 return
             try:
-                if size < old and self._unfetched:
+                if size < old and self._away:
                     await self._before_change(size, old, shrink=True)
                 await self._file.truncate(size)
             except BaseException as e:
@@ -347,51 +365,80 @@ class WriteSession:
         where = f"file {self.path} offset {self._base.offsets[i]} chunk {i}"
         return await self._pool.fetch_chunk(self._base.chunks[i], where)
 
-    async def _materialise(self, i: int) -> None:
-        """Copy base chunk i into the staging file, once; concurrent callers wait for the first."""
-        assert self._base is not None
-        while i in self._unfetched:
-            if i in self._fetching:
-                await self._fetching[i].wait()
+    async def _materialise(self, offset: int) -> None:
+        """Copy the away span at `offset` into the staging file, once; concurrent callers wait for the
+        first."""
+        while (found := self._away.get(offset)) is not None:
+            if offset in self._fetching:
+                await self._fetching[offset].wait()
                 continue
-            done = self._fetching[i] = trio.Event()
+            done = self._fetching[offset] = trio.Event()
+            length, away = found
             try:
-                offset, length = self._base.offsets[i], self._base.chunks[i].raw_len
                 self._hold(length)
                 try:
-                    data = await self._fetch(i)
+                    if away.base is not None:
+                        data = await self._fetch(away.base)
+                    else:
+                        data = await self._pool.fetch_chunk(
+                            away.entry, f"file {self.path} offset {offset} (written, dropped from staging)")
                     if len(data) != length:
-                        raise CpfsError(f"{self.path}: base chunk {i} has {len(data)} bytes, expected {length}")
+                        raise CpfsError(f"{self.path}: chunk at offset {offset} has {len(data)} bytes, "
+                                        f"expected {length}")
                     keep = min(length, self._size - offset)
                     if keep > 0:
                         await self._file.pwrite(memoryview(data)[:keep], offset)
                 finally:
                     self._release(length)
-                self._unfetched.discard(i)
-                self._fetched += 1
+                self._away.pop(offset)
+                if away.base is not None:
+                    self._fetched += 1
+                else:
+                    self._refetched += 1
             finally:
-                del self._fetching[i]
+                del self._fetching[offset]
                 done.set()
 
-    def _read_via_session(self, offset: int, length: int) -> bytes:
-        """read_at for worker threads that may need base chunks fetched first."""
-        return trio.from_thread.run(self.read, offset, length)
+    @asynccontextmanager
+    async def _reading(self, start: int, end: int) -> AsyncIterator[None]:
+        """Staged bytes [start, end) are all in the staging file while the body reads them: away spans
+        copied back, none punched meanwhile."""
+        self._readers += 1
+        try:
+            while self._dropping is not None and self._dropping[0] < end and start < self._dropping[1]:
+                await self._dropped.wait()
+            for offset in self._away.overlapping(start, end):
+                await self._materialise(offset)
+            yield
+        finally:
+            self._readers -= 1
+            if not self._readers:
+                self._no_readers.fire()
+
+    def _read_via_session(self, away: Spans[_Away]) -> ReadAt:
+        """read_at for worker threads: staged bytes directly, a range with away bytes (as of `away`, a
+        snapshot: spans leave it, none join while a commit holds the lock) through the session."""
+        def read_at(offset: int, length: int) -> bytes:
+            if away.overlapping(offset, offset + length):
+                return trio.from_thread.run(self.read, offset, length)
+            return self._file.read_at(offset, length)
+        return read_at
 
     async def _before_change(self, start: int, end: int, shrink: bool = False) -> None:
-        """Base chunks that bytes [start, end) cover partly are fetched before those bytes change;
+        """Away spans that bytes [start, end) cover partly are copied back before those bytes change;
         those covered wholly (or cut off by a shrink) are never needed again."""
-        assert self._base is not None
-        for i in self._base.chunk_range(start, end - start):
-            if i not in self._unfetched:
+        for lo in self._away.overlapping(start, end):
+            found = self._away.get(lo)
+            if found is None:
                 continue
-            lo, hi = self._base.offsets[i], self._base.offsets[i + 1]
+            hi = lo + found[0]
             gone = lo >= start if shrink else (start <= lo and hi <= end)
             if gone:
-                while i in self._fetching:  # a read is copying it: let it finish first
-                    await self._fetching[i].wait()
-                self._unfetched.discard(i)
+                while lo in self._fetching:  # a read is copying it: let it finish first
+                    await self._fetching[lo].wait()
+                self._away.pop(lo)
             else:
-                await self._materialise(i)
+                await self._materialise(lo)
 
     # ------------------------------------------------------------------ change tracking
 
@@ -459,6 +506,7 @@ class WriteSession:
         """After a shrink: predictions past the new end are void."""
         self._frontier = min(self._frontier, size)
         self._ahead = [(s, min(e, size)) for s, e in self._ahead if s < size]
+        self._droppable = [span for span in self._droppable if sum(span) <= size]
         if self._scanner.read_upto > size or self._next_cut > size:
             self._scanner = BoundaryScanner(self._cs)
             self._scan_dirty = False
@@ -485,6 +533,8 @@ class WriteSession:
                                 or self._poisoned is not None):
                             await self._wake.wait()
                             continue
+                        if self._droppable and sum(self._droppable[0]) <= self._scanner.settled_upto:
+                            await self._drop_settled()
                         span = self._ready_span()
                         if span is not None:
                             await self._start_upload(uploads, span)
@@ -531,11 +581,47 @@ class WriteSession:
             else:
                 self._add_clean(span, entry, pending=True)
                 self._streamed += 1
+                if self._can_drop:
+                    bisect.insort(self._droppable, span)
+                    self._wake.fire()
         finally:
             del self._inflight[span]
             self._slots.release_on_behalf_of(token)
             self._background -= 1
             self._idle.fire()
+
+    async def _drop_settled(self) -> None:
+        """Streamed spans that lie inside finished tensor records leave the staging file: their bytes are
+        stored, and nothing reads them again unless the writer goes back (then they are copied back,
+        like a base version's chunks). Staging a checkpoint whole cost fresh page-cache pages for every
+        byte (and disk writes, once more than ~10% of memory was dirty); now it holds about a record.
+        Spans holding a zip header stay: the index at commit reads those."""
+        settled = self._scanner.settled_upto
+        ready = [span for span in self._droppable if sum(span) <= settled]
+        self._droppable = self._droppable[len(ready):]
+        async with self._lock:
+            while self._readers:
+                await self._no_readers.wait()
+            spans = [span for span in ready if self._scanner.inside_record(span[0], sum(span))
+                     and span in self._clean and not self._away.overlapping(span[0], sum(span))]
+            if not spans or self._file.closed or self._poisoned is not None:
+                return
+            self._dropping = (spans[0][0], sum(spans[-1]))
+            try:
+                with trio.CancelScope(shield=True):  # what was punched must be recorded as away
+                    punched = await self._file.punch(spans)
+            except StagingError as e:
+                log.warning("%s: dropping stored chunks from the staging file failed, keeping them: %s",
+                            self.path, e)
+                self._can_drop, punched = False, 0
+            finally:
+                self._dropping = None
+                self._dropped.fire()
+            if punched < len(spans):
+                self._can_drop = False
+            for offset, length in spans[:punched]:
+                self._away.add(offset, length, _Away(self._clean[(offset, length)][0], None))
+            self._drops += punched
 
     async def _scan(self, scanner: BoundaryScanner) -> None:
         self._background += 1
@@ -554,15 +640,12 @@ class WriteSession:
 
     async def _store_span(self, offset: int, length: int) -> ChunkEntry:
         """Read, encode and store bytes [offset, offset+length). The caller holds an upload slot."""
-        if self._unfetched:
-            assert self._base is not None
-            for i in self._base.chunk_range(offset, length):
-                await self._materialise(i)
         fd = await self._file.fd()
         self._hold(2 * length)  # raw bytes and their compressed copy, inside the thread
         try:
-            enc = await self._file.run(encode_span, fd, offset, length, self._cfg.compression,
-                                       f"{self.path} (staging file)", limiter=self._pool.cpu)
+            async with self._reading(offset, offset + length):
+                enc = await self._file.run(encode_span, fd, offset, length, self._cfg.compression,
+                                           f"{self.path} (staging file)", limiter=self._pool.cpu)
         finally:
             self._release(2 * length)
         self._hold(enc.stored_len)
@@ -573,8 +656,9 @@ class WriteSession:
 
     def _reader(self) -> tuple[ReadAt, trio.CapacityLimiter]:
         """read_at over the staged content for work in a thread, and the limiter to run it under."""
-        if self._unfetched:  # reading goes through the session, which may fetch base chunks
-            return self._read_via_session, trio.CapacityLimiter(1)  # not shared: its nested reads need those
+        if self._away:  # away bytes are read through the session, which copies them back
+            return self._read_via_session(self._away.copy()), trio.CapacityLimiter(1)  # not shared: its
+            # nested reads need those
         return self._file.read_at, self._pool.cpu
 
     async def _layout(self, size: int) -> tuple[TensorIndex | None, list[int]]:
@@ -582,7 +666,7 @@ class WriteSession:
         if size == 0:
             return None, []
         read_at, limiter = self._reader()
-        if self._unfetched:
+        if self._away:
             index = await self._file.run(build_index, read_at, size, self.path, limiter=limiter)
         else:
             index = await self._file.run(index_file, self._file.path, self.path, limiter=limiter)
@@ -642,8 +726,9 @@ class WriteSession:
         self._clean_keys = list(spans)
         self._committed, self._committed_mod = manifest, mod
         self._commits += 1
-        log.info("%s: committed %d bytes in %d chunks (%d new this session, %d streamed)%s", self.path,
-                 size, len(entries), self._uploader.statistics().chunks_new, self._streamed,
+        log.info("%s: committed %d bytes in %d chunks (%d new this session, %d streamed, %d dropped from "
+                 "staging)%s", self.path, size, len(entries), self._uploader.statistics().chunks_new,
+                 self._streamed, self._drops,
                  f", {len(index.tensors)} tensors indexed" if index else "")
         return manifest
 

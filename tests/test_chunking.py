@@ -104,6 +104,10 @@ def test_scanning_a_torch_save_reads_its_headers_not_its_tensors() -> None:
         index = build_index(lambda off, n: data[off:off + n], len(data))
         assert scanner.done and scanner.boundaries == tensor_boundaries(index, 1024 * 1024)
         assert len(scanner.boundaries) == 6 and read < len(data) // 100   # 8.8 MB of tensors, ~20 KB read
+        # The tensor records a writer may drop from staging: no header or pickle byte is in them.
+        assert scanner.interiors == [(r.offset, r.offset + r.length) for r in index.records
+                                     if r.length >= 1024 * 1024 // 8 and r.name.split("/")[-2] == "data"]
+        assert scanner.inside_record(index.records[-3].offset, index.records[-3].offset + 10) is False
 
 
 def test_a_pickle_that_misstates_a_length_gets_the_cuts_of_the_bytes() -> None:

@@ -241,6 +241,53 @@ async def test_chunks_upload_while_writing_with_bounded_memory(tmp_path: Path) -
     assert await stored_bytes(env.pool, m) == data
 
 
+async def test_stored_records_leave_the_staging_file_and_come_back_when_needed(env: Env) -> None:
+    """Write-behind drops the stored chunks inside finished tensor records from the staging file, which
+    then holds about a record, not the checkpoint; a change or a read of those bytes copies them back
+    from the stores, and the commit is the bytes written."""
+    buf = io.BytesIO()
+    torch.save(model(layers=4, width=256), buf)
+    data = bytearray(buf.getvalue())
+    index = build_index(lambda off, n: bytes(data[off:off + n]), len(data))
+    record = max((r for r in index.records if r.offset > len(data) // 2), key=lambda r: r.length)  # ~2 MiB
+    async with open_session(env, "/ckpt.pt") as s:
+        step, written, rng = 256 * 1024, 0, random.Random(5)
+
+        async def reader() -> None:   # reads of written bytes while chunks are being dropped
+            while written < len(data) // 2:
+                w = written
+                off = rng.randrange(0, max(1, w))
+                n = rng.choice([100, 5000, 300_000])
+                got = await s.read(off, n)    # a write in flight may have added bytes past `w`
+                assert got == bytes(data[off:off + len(got)]) and len(got) >= min(n, w - off)
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(reader)
+            for off in range(0, len(data), step):
+                await s.write(off, bytes(data[off:off + step]))
+                written = min(len(data), off + step)
+                await trio.sleep(0.005)
+        with trio.fail_after(20):   # what the reader copied back stays
+            while os.stat(s.staging_path).st_blocks * 512 > len(data) // 4 + s.statistics().dropped_fetched * MiB:
+                await trio.sleep(0.01)
+        dropped = s.statistics().chunks_dropped
+        assert dropped >= 10
+        refetched = s.statistics().dropped_fetched        # by the reader
+
+        middle = record.offset + record.length // 2
+        await s.write(middle, b"patched")                # a partial change: its chunk comes back first
+        data[middle:middle + 7] = b"patched"
+        assert s.statistics().dropped_fetched == refetched + 1
+        m = await s.flush()
+        assert await stored_bytes(env.pool, m) == bytes(data)
+        assert await s.read(0, len(data)) == bytes(data)  # every dropped chunk read back
+        stats = s.statistics()
+    assert stats.dropped_fetched == stats.chunks_dropped >= dropped and m.tensor_index is not None
+    assert refetched > 0          # the reader did read dropped chunks back
+    assert stats.chunks_uploaded == len(m.chunks) + 1     # the patched chunk twice, nothing else again
+
+
 async def test_out_of_order_writes_are_staged_and_streamed(env: Env) -> None:
     data = os.urandom(8 * MiB)
     blocks = list(range(0, len(data), 256 * 1024))
