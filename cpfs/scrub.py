@@ -422,7 +422,7 @@ class Scrubber:
                 state[name] = "good"
                 continue
             try:
-                await trio.to_thread.run_sync(chunkfmt.decode, got, digest, limiter=pool.cpu)
+                await trio.to_thread.run_sync(chunkfmt.decode, got, digest, True, limiter=pool.cpu)  # full: BLAKE3
             except CorruptChunk as e:
                 state[name] = f"corrupt: {e}"
                 continue

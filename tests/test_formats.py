@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import struct
 from collections import Counter
 
 import pytest
@@ -122,9 +123,43 @@ def test_truncated_wrong_magic_wrong_hash() -> None:
         chunkfmt.decode(enc.blob + b"\0", enc.digest)
     with pytest.raises(CorruptChunk, match="magic"):
         chunkfmt.decode(b"XXXX" + enc.blob[4:], enc.digest)
-    other = chunkfmt.chunk_hash(b"something else")
-    with pytest.raises(CorruptChunk, match="hash"):
+    other = chunkfmt.chunk_hash(b"something else")   # a whole, valid chunk served under another name
+    with pytest.raises(CorruptChunk, match="check word"):
         chunkfmt.decode(enc.blob, other)
+    with pytest.raises(CorruptChunk):
+        chunkfmt.decode(enc.blob, other, full=True)
+
+
+def _v1(data: bytes) -> tuple[bytes, str]:
+    """A chunk as version 1 wrote it: raw, no check word; its name."""
+    digest = chunkfmt.chunk_hash(data)
+    return struct.pack("<4sBBHQQQ", b"CPFC", 1, 0, 0, len(data), len(data), 0) + data, digest
+
+
+def test_version_1_chunks_are_read_and_verified_by_blake3() -> None:
+    data = os.urandom(100_000)
+    blob, digest = _v1(data)
+    assert chunkfmt.decode(blob, digest) == data
+    with pytest.raises(CorruptChunk, match="hash"):
+        chunkfmt.decode(_flip(blob, 5000), digest)
+    with pytest.raises(CorruptChunk, match="hash"):
+        chunkfmt.decode(blob, chunkfmt.chunk_hash(b"other"))
+    with pytest.raises(CorruptChunk, match="reserved"):    # version 1 has no check word
+        chunkfmt.decode(blob[:24] + b"\1" + blob[25:], digest)
+
+
+def test_the_check_word_stops_accidents_and_full_decode_stops_forgeries() -> None:
+    """What the read-side check proves and what it leaves to scrub (decode full=True): a copy whose
+    check word was computed, on purpose, for other bytes under this name passes a read, not scrub."""
+    data = os.urandom(100_000)
+    enc = chunkfmt.encode(data)
+    assert enc.blob[:5] == b"CPFC\2" and chunkfmt.decode(enc.blob, enc.digest, full=True) == data
+    forged = os.urandom(100_000)
+    header = struct.pack("<4sBBHQQQ", b"CPFC", 2, 0, 0, len(forged), len(forged),
+                         chunkfmt.chunk_check(forged, enc.digest))
+    assert chunkfmt.decode(header + forged, enc.digest) == forged
+    with pytest.raises(CorruptChunk, match="hash"):
+        chunkfmt.decode(header + forged, enc.digest, full=True)
 
 
 # ---- manifests ------------------------------------------------------------------------------------------
