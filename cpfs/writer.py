@@ -606,21 +606,23 @@ class WriteSession:
                      and span in self._clean and not self._away.overlapping(span[0], sum(span))]
             if not spans or self._file.closed or self._poisoned is not None:
                 return
+            # Every one of them is recorded as away, punched or not, even if a punch fails part-way: a
+            # clean span's bytes are on the stores, so reading it back from there is always right.
+            for offset, length in spans:
+                self._away.add(offset, length, _Away(self._clean[(offset, length)][0], None))
             self._dropping = (spans[0][0], sum(spans[-1]))
             try:
-                with trio.CancelScope(shield=True):  # what was punched must be recorded as away
+                with trio.CancelScope(shield=True):
                     punched = await self._file.punch(spans)
             except StagingError as e:
-                log.warning("%s: dropping stored chunks from the staging file failed, keeping them: %s",
-                            self.path, e)
+                log.warning("%s: dropping stored chunks from the staging file failed, they stay there "
+                            "too: %s", self.path, e)
                 self._can_drop, punched = False, 0
             finally:
                 self._dropping = None
                 self._dropped.fire()
             if punched < len(spans):
                 self._can_drop = False
-            for offset, length in spans[:punched]:
-                self._away.add(offset, length, _Away(self._clean[(offset, length)][0], None))
             self._drops += punched
 
     async def _scan(self, scanner: BoundaryScanner) -> None:
