@@ -16,6 +16,14 @@ upload, never correctness: flush stores exactly the final layout, and reuses an 
 its span is in the layout and no byte of it changed since. Such superseded uploads stay on the stores as
 unreferenced chunks, garbage for a later collector (`statistics().chunks_discarded` counts them).
 
+Dropped spans. Once the scanner has seen a tensor record end (a zip member other than data.pkl, the
+data of a safetensors file), write-behind punches the chunks it stored inside that record out of the
+staging file. Only the index reads a checkpoint at commit, and it reads headers, never those bytes, so
+the staging file holds about one record at a time instead of the whole checkpoint (which cost fresh
+page-cache pages for every byte, and disk writes once dirty pages passed ~10% of memory). A dropped
+span is recorded as away before it is punched, and is copied back from the stores, like a base
+chunk, if the writer reads or changes it; reads and punches of one range exclude each other.
+
 Base versions. Opened without O_TRUNC, a session starts from the committed version. Base chunks are
 fetched into the staging file only when a read or a partial overwrite needs their bytes, and chunks the
 new layout keeps unchanged are committed by reference, never read. Write-behind is off for such
