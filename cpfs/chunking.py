@@ -154,7 +154,8 @@ class BoundaryScanner:
         self._sizes: dict[bytes, int] = {}  # member name -> length, from that data.pkl
         self._expect = 0                  # the length data.pkl gives the member being skipped
         # Byte ranges of finished tensor records (big zip members but data.pkl; a safetensors file's
-        # data): readers of the index never read them, so a writer may drop them from staging.
+        # data; all but the first bytes of any other file): neither the indexer nor the completeness
+        # check (cpfs/completeness.py) reads them, so a writer may drop them from staging.
         self.interiors: list[tuple[int, int]] = []
 
     @property
@@ -232,6 +233,7 @@ class BoundaryScanner:
             self._state = "safetensors"
         else:
             self._finish()
+            self.interiors = [(len(head), _INF)]  # not a checkpoint: nothing reads past its first bytes
         return True
 
     def _safetensors(self, read_at: ReadAt, limit: int, eof: bool) -> bool:

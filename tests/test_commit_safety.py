@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -398,8 +399,10 @@ def test_a_full_staging_disk_gives_enospc_at_write_and_close(make_config, tmp_pa
     written = 0
     try:
         with pytest.raises(OSError) as full:
-            while written < len(new):
-                written += os.write(fd, new[written:written + MiB])
+            # Backwards: written in order, chunks would be stored and leave the staging file as the
+            # writer goes (cpfs/writer.py, dropped spans), and it would never fill.
+            for off in range(len(new) - MiB, -1, -MiB):
+                written += os.pwrite(fd, new[off:off + MiB], off)
     finally:
         with pytest.raises(OSError) as closing:
             os.close(fd)
@@ -413,6 +416,25 @@ def test_a_full_staging_disk_gives_enospc_at_write_and_close(make_config, tmp_pa
     fresh = mount(cfg, "fresh")
     assert (fresh.path / "ckpt.bin").read_bytes() == old and (fresh.path / "small.bin").read_bytes() == b"fits"
     assert "will not commit" in m.log.read_text()
+
+
+@pytest.mark.mount
+def test_files_written_in_order_need_staging_for_about_a_record(make_config, tmp_path, tmpfs, mount) -> None:
+    """Stored chunks leave the staging file as the writer goes: a 64 MiB file and a 48 MiB torch.save,
+    both written in order, commit through a 16 MiB staging tmpfs, and read back equal."""
+    tmpfs(tmp_path / "staging", 16 * MiB)
+    m = mount(config(make_config, tmp_path))
+    data = rand_bytes(64 * MiB, 3)
+    with open(m.path / "shard.bin", "wb") as f:
+        for off in range(0, len(data), MiB):
+            f.write(data[off:off + MiB])
+            f.flush()
+            time.sleep(0.005)   # as a writer that computes between writes: write-behind keeps up
+    sd = {f"t{i}": torch.randn(1_500_000, generator=torch.Generator().manual_seed(i)) for i in range(8)}
+    torch.save(sd, m.path / "ckpt.pt")
+    assert (m.path / "shard.bin").read_bytes() == data
+    loaded = torch.load(m.path / "ckpt.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], sd[k]) for k in sd)
 
 
 @pytest.mark.mount

@@ -288,6 +288,23 @@ async def test_stored_records_leave_the_staging_file_and_come_back_when_needed(e
     assert stats.chunks_uploaded == len(m.chunks) + 1     # the patched chunk twice, nothing else again
 
 
+async def test_a_file_that_is_no_checkpoint_leaves_staging_as_it_is_stored(env: Env) -> None:
+    """Any other file (a dataset shard, a copied binary): nothing reads it at commit, so every stored
+    chunk but the first leaves the staging file."""
+    data = os.urandom(12 * MiB)
+    async with open_session(env, "/shard.bin") as s:
+        for off in range(0, len(data), 256 * 1024):
+            await s.write(off, data[off:off + 256 * 1024])
+        with trio.fail_after(20):
+            while os.stat(s.staging_path).st_blocks * 512 > 2 * MiB:
+                await trio.sleep(0.01)
+        m = await s.flush()
+        assert await s.read(5 * MiB - 3, 10) == data[5 * MiB - 3:5 * MiB + 7]
+        stats = s.statistics()
+    assert await stored_bytes(env.pool, m) == data
+    assert stats.chunks_dropped >= 10 and stats.dropped_fetched == 2
+
+
 async def test_out_of_order_writes_are_staged_and_streamed(env: Env) -> None:
     data = os.urandom(8 * MiB)
     blocks = list(range(0, len(data), 256 * 1024))
