@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import trio
 
 from cpfs.completeness import incomplete_reason
 from cpfs.errors import ChunkUnavailable, IncompleteFile, NotFound, WriteFailed
@@ -180,6 +181,32 @@ async def test_a_base_chunk_that_cannot_be_fetched_poisons_the_session(env: Env,
     assert (await env.catalog.get("/m.bin")).version == v1.version
 
 
+async def test_a_dropped_chunk_no_store_gives_back_poisons_the_change_not_the_old_version(env: Env) -> None:
+    """A chunk that write-behind stored and dropped from the staging file is gone from every store (a
+    store lost it, gc raced) when the writer comes back to change part of it: the write fails, nothing
+    of this open file commits, and the previous version stays current."""
+    v1 = await commit_bytes(env, "/shard.bin", rand_bytes(2 * MiB, 1))
+    data = rand_bytes(12 * MiB, 2)
+    async with open_session(env, "/shard.bin") as s:
+        for off in range(0, len(data), 256 * 1024):
+            await s.write(off, data[off:off + 256 * 1024])
+        with trio.fail_after(20):
+            while s.statistics().chunks_dropped < 8:
+                await trio.sleep(0.01)
+        keep = {c.digest for c in v1.chunks}
+        for chunk in env.stores.rglob("chunks/*/*"):
+            if chunk.name not in keep:
+                chunk.unlink()                                 # every copy of this session's chunks
+        with pytest.raises(ChunkUnavailable):
+            await s.write(6 * MiB + 10, b"patch")              # inside a dropped 1 MiB chunk
+        for closing in (False, True):
+            with pytest.raises(WriteFailed) as refused:
+                await s.flush(closing=closing)
+            assert "previous version stays current" in str(refused.value)
+    assert (await env.catalog.get("/shard.bin")).version == v1.version
+    assert await stored_bytes(env.pool, v1) == rand_bytes(2 * MiB, 1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # WriteSession: format-aware commit
 
@@ -273,6 +300,7 @@ import os, sys, time
 import numpy as np
 import safetensors.torch
 import torch
+import trio
 sys.path.insert(0, "tests")
 from test_write_mount import expected_of_save
 kind, path, seed, nbytes, stall_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
