@@ -198,6 +198,8 @@ async def test_a_dropped_chunk_no_store_gives_back_poisons_the_change_not_the_ol
             if chunk.name not in keep:
                 chunk.unlink()                                 # every copy of this session's chunks
         with pytest.raises(ChunkUnavailable):
+            await s.read(6 * MiB, 100)
+        with pytest.raises(ChunkUnavailable):
             await s.write(6 * MiB + 10, b"patch")              # inside a dropped 1 MiB chunk
         for closing in (False, True):
             with pytest.raises(WriteFailed) as refused:
