@@ -49,9 +49,6 @@ class Spans(Generic[V]):
     def __bool__(self) -> bool:
         return bool(self._starts)
 
-    def __len__(self) -> int:
-        return len(self._starts)
-
     def add(self, offset: int, length: int, value: V) -> None:
         assert offset not in self._spans and not self.overlapping(offset, offset + length)
         bisect.insort(self._starts, offset)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import itertools
 import logging
 import time
 import uuid
@@ -605,7 +606,7 @@ class WriteSession:
         byte (and disk writes, once more than ~10% of memory was dirty); now it holds about a record.
         Spans holding a zip header stay: the index at commit reads those."""
         settled = self._scanner.settled_upto
-        ready = [span for span in self._droppable if sum(span) <= settled]
+        ready = list(itertools.takewhile(lambda span: sum(span) <= settled, self._droppable))  # sorted
         self._droppable = self._droppable[len(ready):]
         async with self._lock:
             while self._readers:
@@ -625,12 +626,11 @@ class WriteSession:
             except StagingError as e:
                 log.warning("%s: dropping stored chunks from the staging file failed, they stay there "
                             "too: %s", self.path, e)
-                self._can_drop, punched = False, 0
+                punched = 0
             finally:
                 self._dropping = None
                 self._dropped.fire()
-            if punched < len(spans):
-                self._can_drop = False
+            self._can_drop = punched == len(spans)   # else the staging filesystem cannot punch holes
             self._drops += punched
 
     async def _scan(self, scanner: BoundaryScanner) -> None:
