@@ -35,7 +35,7 @@ import json
 import struct
 from collections.abc import Callable, Iterable, Sequence
 
-from .tensor_index import MAX_PICKLE, TensorIndex, storage_sizes, zip64_extra
+from .tensor_index import MAX_PICKLE, MAX_SAFETENSORS_HEADER, TensorIndex, storage_sizes, zip64_extra
 
 ReadAt = Callable[[int, int], bytes]
 
@@ -46,7 +46,6 @@ _DESCRIPTOR = b"PK\x07\x08"        # zip data descriptor
 _AFTER_MEMBER = (_LOCAL, b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06")
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _SCAN_BLOCK = 1 << 20
-_MAX_SAFETENSORS_HEADER = 100 << 20
 
 PAGE = 4096
 READ_BLOCK = 16 * 1024             # the mount's st_blksize (files not being written): a buffered read
@@ -238,8 +237,9 @@ class BoundaryScanner:
 
     def _safetensors(self, read_at: ReadAt, limit: int, eof: bool) -> bool:
         (n,) = struct.unpack("<Q", self._read(read_at, 0, 8))
-        if not 0 < n <= _MAX_SAFETENSORS_HEADER:
+        if not 0 < n <= MAX_SAFETENSORS_HEADER:  # byte 8 is "{" by chance: not a checkpoint
             self._finish()
+            self.interiors = [(9, _INF)]
             return True
         if not self._have(8 + n, limit, eof):
             return False
@@ -253,10 +253,11 @@ class BoundaryScanner:
                     if isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end:
                         points.update(record_cuts(8 + n + begin, end - begin, self.chunk_size, member=False))
                         data_end = max(data_end, 8 + n + end)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            points = set()  # not safetensors after all: fixed-size chunks
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            points = set()  # not safetensors after all: fixed-size chunks, and only the head is read
+            data_end = _INF
         self.boundaries = sorted(points)
-        if points:
+        if points or data_end == _INF:
             self.interiors = [(8 + n, data_end)]
         self._finish()
         return True

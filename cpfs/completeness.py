@@ -19,13 +19,12 @@ import json
 import struct
 from collections.abc import Callable
 
-from .tensor_index import _Malformed, _zip_directory
+from .tensor_index import MAX_SAFETENSORS_HEADER, _Malformed, _zip_directory
 
 ReadAt = Callable[[int, int], bytes]
 
 _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_CENTRAL = b"PK\x01\x02"
-_MAX_SAFETENSORS_HEADER = 100 << 20   # as the indexer: beyond this it is not a safetensors file
 
 
 def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
@@ -50,7 +49,7 @@ def _zip_reason(read_at: ReadAt, size: int) -> str | None:
 
 
 def _safetensors_reason(read_at: ReadAt, size: int, n: int) -> str | None:
-    if not 0 < n <= _MAX_SAFETENSORS_HEADER:
+    if not 0 < n <= MAX_SAFETENSORS_HEADER:
         return None            # byte 8 is "{" by chance: not safetensors
     if 8 + n > size:
         return f"safetensors of {size} bytes: its header is {n} bytes long but only {size - 8} follow"

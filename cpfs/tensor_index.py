@@ -50,7 +50,7 @@ _FORMATS = ("torch-zip", "safetensors")
 # Caps keep a hostile file from making the indexer allocate or loop without bound.
 MAX_PICKLE = 64 << 20
 _MAX_CENTRAL_DIR = 64 << 20
-_MAX_SAFETENSORS_HEADER = 100 << 20
+MAX_SAFETENSORS_HEADER = 100 << 20
 # data.pkl work, in budget units (see _Budget): at most so many per byte of pickle, plus a slack,
 # and never more than the cap. torch.save spends ~32 opcodes (~100 bytes) per tensor, so the caps
 # index ~500,000 tensors (a large MoE model with its optimizer state); an opcode allocates at most
@@ -753,7 +753,7 @@ def _tensor_span(t: _Tensor, by_name: dict[str, Record], prefix: str) -> tuple[i
 
 def _build_safetensors(read_at: ReadAt, size: int) -> TensorIndex:
     (n,) = struct.unpack("<Q", _read_exact(read_at, 0, 8))
-    if n > _MAX_SAFETENSORS_HEADER or 8 + n > size:
+    if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
         raise _Malformed(f"absurd header length {n}")
     header = json.loads(_read_exact(read_at, 8, n))
     if not isinstance(header, dict):

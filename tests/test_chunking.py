@@ -15,6 +15,7 @@ import torch
 
 from cpfs.chunking import (LEAD, PAGE, READ_BLOCK, TAIL, BoundaryScanner, chunk_end, cut, cut_points, record_cuts,
                            tensor_boundaries)
+from cpfs.completeness import incomplete_reason
 from cpfs.tensor_index import build_index
 
 
@@ -134,6 +135,29 @@ def test_a_pickle_that_misstates_a_length_gets_the_cuts_of_the_bytes() -> None:
         for limit in steps:
             scanner.advance(lambda off, n: data[off:off + n], limit, eof=limit == len(data), budget=1 << 40)
         assert scanner.done and scanner.boundaries == expected and len(expected) == 4   # data/1 is small
+
+
+@pytest.mark.parametrize("head", [struct.pack("<Q", 2**63 + 5) + b"{",        # byte 8 is "{" by chance
+                                  struct.pack("<Q", 30) + b"{ not json at all, no",   # a header that is no JSON
+                                  struct.pack("<Q", 8) + b'{"a": 1}',                 # JSON, no tensors in it
+                                  struct.pack("<Q", 100_005) + b'{"a":' + b"[" * 100_000])  # too deep to parse
+def test_a_file_that_only_looks_like_safetensors_may_leave_staging_past_what_commit_reads(head: bytes) -> None:
+    """Any file may start like safetensors; once the scanner sees it is not, it is any other file:
+    everything past the bytes that the indexer and the completeness check read may be dropped."""
+    data = head + os.urandom(3 * 1024 * 1024)
+    scanner = BoundaryScanner(1024 * 1024)
+    scanner.advance(lambda off, n: data[off:off + n], len(data), budget=1 << 40)
+    assert scanner.done and scanner.boundaries == [] and len(scanner.interiors) == 1
+    read: list[tuple[int, int]] = []
+
+    def read_at(off: int, n: int) -> bytes:
+        read.append((off, n))
+        return data[off:off + n]
+
+    assert incomplete_reason(read_at, len(data)) is None
+    assert build_index(read_at, len(data)) is None
+    assert max(off + n for off, n in read) <= scanner.interiors[0][0] in (9, 8 + struct.unpack_from("<Q", head)[0])
+    assert scanner.inside_record(scanner.interiors[0][0], len(data))
 
 
 def test_record_cuts() -> None:
