@@ -7,12 +7,15 @@ chunk arrives, and a page that straddles two (or more) chunks goes as soon as ev
 is at hand. A chunk is dropped from the daemon's cache only when every page it touches is with the
 kernel. One `PageFeeder` per version of a file, shared by all its open handles.
 
-The kernel may drop pages it was given (drop_caches, memory pressure) without telling us. A read that
-asks for pages of a chunk whose push completed is the sign: the feeder then forgets every push of
-the file, so the readahead fetches and pushes again instead of taking the chunks for the kernel's
-(the daemon dropped its own copies) and fetching each on demand, one at a time. A push completes
-while the kernel's read of the same pages may already be on its way to us, so only a push older than
-RACE counts (a drop between two loads is seconds old).
+The kernel may drop pages it was given (drop_caches, memory pressure, a host reclaiming a VM's cold
+pages) without telling us. A read that asks for pages of a chunk whose push completed is the sign.
+Once such reads add up to a stretch of the file (STRETCH bytes, each near the last: drop_caches,
+fadvise), the feeder forgets every push of the file, so the readahead fetches and pushes again
+instead of taking the chunks for the kernel's (the daemon dropped its own copies) and fetching each
+on demand, one at a time. A few pages dropped here and there are read with their chunk on demand:
+pushing the rest of the file again for them cost a warm load more than the pages did. A push
+completes while the kernel's read of the same pages may already be on its way to us, so only a push
+older than RACE counts (a drop between two loads is seconds old).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 RACE = 1.0      # seconds: a read of pages pushed more recently may have been sent before the push
+STRETCH = 1 << 20  # lost reads adding up to this, each near the last: the kernel dropped a stretch
 Push = Callable[[int, int, bytes | memoryview], Awaitable[None]]   # (inode, file offset, data)
 
 
@@ -44,6 +48,8 @@ class PageFeeder:
         self.pushes = 0
         self.drops = 0                       # times the kernel was found to have dropped pushed pages
         self.done_at: dict[int, float] = {}  # chunk -> when its interior's push completed
+        self._lost_span = (0, 0)             # file range of the reads of dropped pages lately seen ...
+        self._lost_bytes = 0                 # ... and how many bytes they asked for
 
     def _interior(self, i: int) -> tuple[int, int]:
         """The whole pages of chunk i (the last page of the file counts as whole)."""
@@ -126,8 +132,21 @@ class PageFeeder:
                     return True
         return False
 
+    def dropped_stretch(self, offset: int, end: int) -> bool:
+        """Count a read that `lost` flagged; whether the reads of dropped pages, each within STRETCH
+        of the ones before, now add up to STRETCH bytes: the kernel dropped a stretch of the file, not
+        a few pages here and there."""
+        lo, hi = self._lost_span
+        if self._lost_bytes and lo - STRETCH <= offset <= hi + STRETCH:
+            self._lost_span = (min(lo, offset), max(hi, end))
+            self._lost_bytes += end - offset
+        else:
+            self._lost_span, self._lost_bytes = (offset, end), end - offset
+        return self._lost_bytes >= STRETCH
+
     def forget(self) -> None:
         """Take none of this file's pages for the kernel's any more (see the module doc)."""
+        self._lost_span, self._lost_bytes = (0, 0), 0
         self.sent.clear()
         self.done.clear()
         self.pages_sent.clear()

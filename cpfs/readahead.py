@@ -704,9 +704,9 @@ class FileReader:
         chunks = self.m.chunk_range(offset, size)
         if not chunks:
             return b""
-        if self.feeder is not None and self.feeder.lost(offset, end):
-            log.info("%s: the kernel dropped pages pushed to it (read at %d): pushing the file again as "
-                     "it is read", self.m.path, offset)
+        if self.feeder is not None and self.feeder.lost(offset, end) and self.feeder.dropped_stretch(offset, end):
+            log.info("%s: the kernel dropped pages pushed to it (reads up to %d): pushing the file again as "
+                     "it is read", self.m.path, end)
             self.feeder.forget()
         self._observe(offset, end, chunks)
         datas: list[bytes] = [b""] * len(chunks)

@@ -8,7 +8,7 @@ import trio
 from cpfs.cache import ChunkCache
 from cpfs.chunk import chunk_hash
 from cpfs.manifest import ChunkEntry, Manifest
-from cpfs.pagecache import PAGE, RACE, PageFeeder
+from cpfs.pagecache import PAGE, RACE, STRETCH, PageFeeder
 
 
 def layout(seed: int) -> tuple[Manifest, bytes]:
@@ -162,3 +162,21 @@ async def test_a_read_of_pushed_pages_means_the_kernel_dropped_them_and_everythi
     async with trio.open_nursery() as n:
         feeder.offer(n, big, data[m.offsets[big]:m.offsets[big + 1]])
     assert pushes == [lo, lo]                                  # pushed again
+
+
+def test_reads_of_dropped_pages_mean_a_dropped_stretch_once_they_add_up_nearby():
+    """A few pages dropped here and there are fetched with their chunks; reads of dropped pages adding
+    up to STRETCH, each near the last, mean the kernel dropped a stretch (then the file is pushed again)."""
+    m, data = layout(3)
+    feeder = PageFeeder(m, 7, _noop_push, ChunkCache(1 << 30))
+    assert not feeder.dropped_stretch(0, 4096)
+    assert not feeder.dropped_stretch(50 * STRETCH, 50 * STRETCH + 8192)   # far away: a new run
+    step = 128 * 1024
+    starts = range(50 * STRETCH + 8192, 50 * STRETCH + 8192 + STRETCH, step)
+    assert [feeder.dropped_stretch(o, o + step) for o in starts][-2:] == [False, True]
+    feeder.forget()
+    assert not feeder.dropped_stretch(0, step)                              # counting starts again
+
+
+async def _noop_push(inode: int, offset: int, piece) -> None:
+    pass

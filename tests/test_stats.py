@@ -98,3 +98,35 @@ def test_pages_the_kernel_dropped_are_prefetched_again_not_fetched_one_by_one(ma
     assert second["kernel_drops"] >= 1 and first["pushed"] > 0
     assert second["demand_fetches"] - first["demand_fetches"] <= 6, (first, second)   # of 48 chunks
     assert second["fetched_bytes"] - first["fetched_bytes"] >= len(data) * 3 // 4    # most from the stores again
+
+
+def test_a_few_pages_the_kernel_dropped_are_read_with_their_chunks_not_the_whole_file(make_config, tmp_path: Path,
+                                                                                       mount) -> None:
+    """Memory pressure, or a host reclaiming a VM's cold pages, drops a few pages here and there of a
+    file the kernel holds: each such read fetches its chunk, and the rest of the file is not fetched
+    and pushed again (that cost a warm load more than the pages did)."""
+    cfg = make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    data = os.urandom(48 * MiB)
+    (tmp_path / "f.bin").write_bytes(data)
+    cpfs("put", str(tmp_path / "f.bin"), "/f.bin", config=cfg)
+    m = mount(cfg)
+
+    def scheduler() -> dict:
+        return json.loads(cpfs("stats", str(m.path), "--json", config=cfg).stdout)["scheduler"]
+
+    assert (m.path / "f.bin").read_bytes() == data
+    first = scheduler()
+    time.sleep(1.1)      # older than pagecache.RACE
+    holes = [3 * MiB + 4096, 17 * MiB, 30 * MiB + 8192 * 3, 41 * MiB - 4096]      # in 4 chunks, MiBs apart
+    fd = os.open(m.path / "f.bin", os.O_RDONLY)
+    try:
+        for off in holes:
+            os.posix_fadvise(fd, off, 4096, os.POSIX_FADV_DONTNEED)
+        for off in holes:
+            assert os.pread(fd, 4096, off) == data[off:off + 4096]
+    finally:
+        os.close(fd)
+    assert (m.path / "f.bin").read_bytes() == data
+    second = scheduler()
+    assert second["kernel_drops"] == first["kernel_drops"]
+    assert 0 < second["fetched_bytes"] - first["fetched_bytes"] <= 4 * MiB, (first, second)   # the 4 chunks
