@@ -1,0 +1,97 @@
+"""Benchmark: warm loads when the kernel has dropped a few pages of the file here and there, against the
+same load of the local file with the same pages dropped, in the same run (not a test: it prints).
+
+A host that reclaims a VM's cold pages (DAMON, as on this machine) or memory pressure takes a few pages
+of a file the page cache holds. The local file then reads those pages from the disk; the mount asks the
+daemon, which fetches their chunks. Before each load, `--holes` random runs of 1-8 pages are dropped
+(fadvise DONTNEED) at the same offsets in both files; `--holes 0` leaves only what the host takes.
+Each load is torch.load (and mmap=True + a read of every tensor) in a fresh python, after twice the
+file's size of memory is written and freed (this VM hands freed memory back to its host).
+
+    python -m benchmarks.bench_warm_holes [--size 1GiB] [--holes 300] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from .bench_load import DEST, checkpoint_for
+from .common import (BenchError, ensure_imported, human, mount_stats, mounted, parse_size, print_table, remove_tree,
+                     timed_load, write_store_config)
+from .make_checkpoint import make_checkpoint
+
+PAGE = 4096
+
+
+def drop_pages(path: Path, holes: int, seed: int) -> None:
+    """Drop `holes` runs of 1-8 pages at offsets chosen by `seed` from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = os.fstat(fd).st_size // PAGE
+        rng = random.Random(seed)
+        for _ in range(holes):
+            os.posix_fadvise(fd, rng.randrange(pages) * PAGE, PAGE * rng.choice([1, 1, 2, 4, 8]),
+                             os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_warm_holes", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=parse_size, default=parse_size("1GiB"))
+    p.add_argument("--holes", type=int, default=300, help="runs of 1-8 pages dropped before each load")
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="cpfs-warm-holes-"))
+    try:
+        ckpt = checkpoint_for(args.size)
+        if not ckpt.exists():
+            make_checkpoint(ckpt, args.size)
+        cfg = write_store_config(work / "cfg", stores=3, replicas=2)
+        ensure_imported(ckpt, DEST, cfg)
+        touch = 2 * ckpt.stat().st_size          # this VM hands freed memory back to its host
+        times: dict[tuple[str, bool], list[float]] = {(w, mm): [] for w in ("local", "cpfs") for mm in (False, True)}
+        with mounted(cfg, work / "mnt", work / "mount.log") as m:
+            paths = {"local": ckpt, "cpfs": m.path / DEST}
+            for path in paths.values():
+                warm(path)
+            before = mount_stats(m.path)["scheduler"]
+            for i in range(args.repeat):
+                for mm in (False, True):
+                    for where, path in paths.items():
+                        drop_pages(path, args.holes, seed=2 * i + mm)
+                        r = timed_load(path, cold=False, mmap=mm, touch=touch, fingerprint=False)
+                        times[(where, mm)].append(r.total_seconds if mm else r.seconds)
+            after = mount_stats(m.path)["scheduler"]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"\n== {human(ckpt.stat().st_size)} checkpoint, warm loads, {args.holes} runs of 1-8 pages dropped "
+              f"before each (the same in both files), median of {args.repeat}")
+        print_table(["load", "local s", "cpfs s", "ratio (local / cpfs)", "cpfs each (s)"],
+                    [["torch.load" + (" mmap=True + read" if mm else ""), f"{med[('local', mm)]:.2f}",
+                      f"{med[('cpfs', mm)]:.2f}", f"{med[('local', mm)] / med[('cpfs', mm)]:.2f}",
+                      " ".join(f"{t:.2f}" for t in times[("cpfs", mm)])] for mm in (False, True)])
+        loads = 2 * args.repeat
+        print(f"\nthe daemon over these {loads} loads: fetched {human(after['fetched_bytes'] - before['fetched_bytes'])} "
+              f"in {after['reads'] - before['reads']} reads; the file pushed again "
+              f"{after['kernel_drops'] - before['kernel_drops']} times")
+        return 0
+    except BenchError as e:
+        print(f"bench_warm_holes: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        remove_tree(work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
