@@ -187,13 +187,17 @@ def _convert(pt: str, st: str) -> int:
 FRESH = "cpfs fresh mount, stores in memory"
 
 
+def remote_stores(ctx: Ctx) -> Path:
+    """The remote case's 3 stores (replicas 2) holding the checkpoint: their unthrottled config."""
+    put = write_store_config(ctx.remote / "remote", stores=3, replicas=2, name="put.toml")
+    ensure_imported(ctx.pt, DEST_PT, put, verbose=False)
+    return put
+
+
 def case_loads(ctx: Ctx) -> list[Row]:
     """Direct vs cpfs over 3 fast folder stores: cold, fresh mount over stores in memory, warm (3 ways)."""
     cfg = ctx.work / "fast" / "cpfs.toml"
-    mem = None
-    if ctx.remote != ctx.work:       # the remote-like stores live in memory
-        mem = write_store_config(ctx.remote / "remote", stores=3, replicas=2, name="put.toml")
-        ensure_imported(ctx.pt, DEST_PT, mem, verbose=False)
+    mem = remote_stores(ctx) if ctx.remote != ctx.work else None    # the remote-like stores live in memory
     t: dict[str, list[float]] = defaultdict(list)
     cpu: list[float] = []
     fetched: list[float] = []
@@ -304,10 +308,9 @@ def case_remote(ctx: Ctx) -> list[Row]:
     """3 throttled stores: cold torch.load and sequential reads against size / aggregate bandwidth."""
     from cpfs.config import parse_rate
 
-    put = write_store_config(ctx.remote / "remote", stores=3, replicas=2, name="put.toml")
+    remote_stores(ctx)
     cfg = write_store_config(ctx.remote / "remote", stores=3, replicas=2, name="remote.toml",
                              latency=ctx.args.latency, bandwidth=ctx.args.bandwidth)
-    ensure_imported(ctx.pt, DEST_PT, put, verbose=False)
     floor = ctx.size / (3 * parse_rate(ctx.args.bandwidth))
     t: dict[str, list[float]] = defaultdict(list)
     fetched: dict[str, list[float]] = defaultdict(list)

@@ -69,12 +69,9 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     assert "file /f.bin: read_bytes 8.0 MiB, fetched_bytes 4.0 MiB" in text
 
 
-def test_pages_the_kernel_dropped_are_prefetched_again_not_fetched_one_by_one(make_config, tmp_path: Path,
-                                                                               mount) -> None:
-    """The daemon pushes what it prefetches into the kernel's page cache and drops its own copy. When
-    the kernel drops those pages (here fadvise DONTNEED; drop_caches or memory pressure alike), the
-    next read of the file must prefetch again: before, the daemon took every chunk for the kernel's
-    and fetched each on demand, one at a time."""
+def _read_through_a_mount(make_config, tmp_path: Path, mount) -> tuple:
+    """A 48 MiB file put, mounted and read once (its pages pushed to the kernel): the mount, the bytes,
+    and a function returning the daemon's scheduler statistics."""
     cfg = make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
     data = os.urandom(48 * MiB)
     (tmp_path / "f.bin").write_bytes(data)
@@ -85,6 +82,16 @@ def test_pages_the_kernel_dropped_are_prefetched_again_not_fetched_one_by_one(ma
         return json.loads(cpfs("stats", str(m.path), "--json", config=cfg).stdout)["scheduler"]
 
     assert (m.path / "f.bin").read_bytes() == data
+    return m, data, scheduler
+
+
+def test_pages_the_kernel_dropped_are_prefetched_again_not_fetched_one_by_one(make_config, tmp_path: Path,
+                                                                               mount) -> None:
+    """The daemon pushes what it prefetches into the kernel's page cache and drops its own copy. When
+    the kernel drops those pages (here fadvise DONTNEED; drop_caches or memory pressure alike), the
+    next read of the file must prefetch again: before, the daemon took every chunk for the kernel's
+    and fetched each on demand, one at a time."""
+    m, data, scheduler = _read_through_a_mount(make_config, tmp_path, mount)
     first = scheduler()
     time.sleep(1.1)      # older than pagecache.RACE: a read of fresher pushes may predate them
     fd = os.open(m.path / "f.bin", os.O_RDONLY)
@@ -105,16 +112,7 @@ def test_a_few_pages_the_kernel_dropped_are_read_with_their_chunks_not_the_whole
     """Memory pressure, or a host reclaiming a VM's cold pages, drops a few pages here and there of a
     file the kernel holds: each such read fetches its chunk, and the rest of the file is not fetched
     and pushed again (that cost a warm load more than the pages did)."""
-    cfg = make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
-    data = os.urandom(48 * MiB)
-    (tmp_path / "f.bin").write_bytes(data)
-    cpfs("put", str(tmp_path / "f.bin"), "/f.bin", config=cfg)
-    m = mount(cfg)
-
-    def scheduler() -> dict:
-        return json.loads(cpfs("stats", str(m.path), "--json", config=cfg).stdout)["scheduler"]
-
-    assert (m.path / "f.bin").read_bytes() == data
+    m, data, scheduler = _read_through_a_mount(make_config, tmp_path, mount)
     first = scheduler()
     time.sleep(1.1)      # older than pagecache.RACE
     holes = [3 * MiB + 4096, 17 * MiB, 30 * MiB + 8192 * 3, 41 * MiB - 4096]      # in 4 chunks, MiBs apart
