@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import math
 import os
 import re
 import secrets
@@ -34,6 +35,7 @@ from .errors import ConfigError, CpfsError
 from . import metrics
 from .fs import CpfsOperations, mount_options
 from .namespace import Namespace
+from .pagecache import Done
 from .pool import StorePool
 from .readahead import Scheduler
 
@@ -77,13 +79,11 @@ def _set_kernel_readahead(mountpoint: Path, kb: int) -> None:
 
 
 class _Piece:
-    """One page-cache push: where, what, and how it went."""
-    __slots__ = ("inode", "offset", "data", "taken", "done", "error")
+    """One page-cache push: where, what, and whom to tell how it went."""
+    __slots__ = ("inode", "offset", "data", "done", "error")
 
-    def __init__(self, inode: int, offset: int, data: bytes | memoryview) -> None:
-        self.inode, self.offset, self.data = inode, offset, data
-        self.taken = False                  # a thread call has it
-        self.done = trio.Event()
+    def __init__(self, inode: int, offset: int, data: bytes | memoryview, done: Done) -> None:
+        self.inode, self.offset, self.data, self.done = inode, offset, data, done
         self.error: OSError | None = None
 
 
@@ -104,59 +104,60 @@ class PushStats:
 
 
 class Pusher:
-    """The on_chunk callback: stores chunks in the kernel page cache from a worker thread. Never from
-    the event loop: the kernel may wait for a page lock that one of our replies releases. Pushes that
-    come while the threads are busy go together in the next thread call (a chunk's interior and the
-    pages it completes, the chunks that landed meanwhile): one hand-off for many. `notify` is
-    pyfuse3.notify_store (tests pass a recorder). A kernel without notify_store disables it."""
+    """The on_chunk callback (pagecache.Push): stores chunks in the kernel page cache from worker
+    threads. Never from the event loop: the kernel may wait for a page lock that one of our replies
+    releases. `push` only queues the piece (a memory channel); `run` owns `threads` sender tasks, each
+    taking everything queued into one thread call (a chunk's interior and the pages it completes, the
+    chunks that landed meanwhile), then telling each piece's `done`. `notify` is pyfuse3.notify_store
+    (tests pass a recorder). A kernel without notify_store disables it: every push is refused (ENOSYS),
+    so the reader's reads come to the daemon, which keeps the chunks for them."""
 
-    def __init__(self, limiter: trio.CapacityLimiter,
+    def __init__(self, threads: int = 2,
                  notify: Callable[[int, int, bytes | memoryview], None] = pyfuse3.notify_store) -> None:
-        self.limiter = limiter
+        self.threads = threads
         self.notify = notify
         self.disabled = False
-        self._pending: list[_Piece] = []
+        self._inbox, self._queue = trio.open_memory_channel[_Piece](math.inf)
         self._pieces = self._calls = self._failed = 0
 
     def statistics(self) -> PushStats:
         return PushStats(pieces=self._pieces, thread_calls=self._calls, failed=self._failed)
 
-    async def __call__(self, inode: int, offset: int, data: bytes | memoryview) -> None:
-        if self.disabled:
-            return
-        piece = _Piece(inode, offset, data)
+    def __call__(self, inode: int, offset: int, data: bytes | memoryview, done: Done) -> None:
         self._pieces += 1
-        self._pending.append(piece)
-        try:
-            async with self.limiter:
-                if not piece.taken:
-                    batch, self._pending = self._pending, []
-                    for p in batch:
-                        p.taken = True
-                    self._calls += 1
-                    try:
-                        await trio.to_thread.run_sync(_store_pieces, self.notify, batch)
-                    finally:
-                        for p in batch:
-                            p.done.set()
-        except BaseException:
-            if not piece.taken:
-                self._pending.remove(piece)
-            raise
-        await piece.done.wait()
-        if piece.error is not None:
-            if piece.error.errno == errno.ENOSYS:
-                if not self.disabled:
-                    log.warning("kernel does not support notify_store; page cache push disabled")
-                self.disabled = True
-                return
+        if self.disabled:
             self._failed += 1
-            raise piece.error
+            done(OSError(errno.ENOSYS, "notify_store is not supported by this kernel"))
+            return
+        self._inbox.send_nowait(_Piece(inode, offset, data, done))
 
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The sender tasks, until cancelled (with the mount)."""
+        async with trio.open_nursery() as n:
+            for _ in range(self.threads):
+                n.start_soon(self._sender)
+            task_status.started()
 
-def make_pusher(limiter: trio.CapacityLimiter,
-                notify: Callable[[int, int, bytes | memoryview], None] = pyfuse3.notify_store) -> Pusher:
-    return Pusher(limiter, notify)
+    async def _sender(self) -> None:
+        async for first in self._queue:
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._queue.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            self._calls += 1
+            await trio.to_thread.run_sync(_store_pieces, self.notify, batch)
+            for p in batch:
+                if p.error is not None:
+                    self._failed += 1
+                    if p.error.errno == errno.ENOSYS and not self.disabled:
+                        log.warning("kernel does not support notify_store; page cache push disabled")
+                        self.disabled = True
+                try:
+                    p.done(p.error)
+                except Exception:         # a bug in a callback must not end the mount's pushes
+                    log.exception("page cache push at %d: completion failed", p.offset)
 
 
 async def trim_read_buffers(interval: float = 5.0) -> None:
@@ -183,7 +184,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     # size classes; within half the cache budget, which counts the same bytes while they are cached.
     buffers.POOL.max_bytes = min(config.cache_memory // 2, config.readahead_max * 5 // 4 + config.fetch_concurrency
                                  * buffers.size_class(config.chunk_size + chunkfmt.HEADER_SIZE))
-    pusher = make_pusher(trio.CapacityLimiter(2)) if config.notify_store else None
+    pusher = Pusher() if config.notify_store else None
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher)
     staging = await trio.to_thread.run_sync(prepare_staging, config)
     ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)
@@ -214,6 +215,8 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
 
             await metrics.start(n, config, ops.statistics_document)   # [metrics] listen (off by default): Prometheus
             await n.start(pool.run)          # store health: probes stores marked down until they answer
+            if pusher is not None:
+                await n.start(pusher.run)
             n.start_soon(announce)
             n.start_soon(on_signal)
             n.start_soon(trim_read_buffers)

@@ -572,15 +572,25 @@ class StorePool:
         return min(cfg.hedge_max, max(cfg.hedge_min, p95))
 
     async def _read_replicas(self, names: Sequence[str], read: Callable[[str], Awaitable[T]],
-                             failed: Callable[[str, Exception], None], then: Sequence[str] = ()) -> T:
+                             failed: Callable[[str, Exception], None],
+                             then: Callable[[], Sequence[str]] | None = None) -> T:
         """read(name) on the replicas in rank order until one succeeds, hedged (see the module doc).
-        Stores that are down come last, as a last resort; the stores of `then` after all of `names`
-        (ranked among themselves). Raises the last failure."""
-        order = self.rank(names) + [n for n in self.rank(then) if n not in names]
+        Stores that are down come last, as a last resort; the stores `then()` names after all of
+        `names` (ranked among themselves; asked for only once `names` are: most reads never need it).
+        Raises the last failure."""
+        order = self.rank(names)
         explore = self._to_explore(order, names)
         ranked = deque(n for n in order if n != explore)      # not asked yet
+
+        def next_store() -> str | None:
+            nonlocal then
+            if not ranked and then is not None:
+                ranked.extend(n for n in self.rank(then()) if n not in names and n != explore)
+                then = None
+            return ranked.popleft() if ranked else None
+
         last: Exception = NoSuchObject(",".join(names) or "-", "no replica")
-        send, recv = trio.open_memory_channel[tuple[str, float, bool, object]](len(names) + len(then) or 1)
+        send, recv = trio.open_memory_channel[tuple[str, float, bool, object]](len(self._stores) or 1)
         running: dict[str, float] = {}          # replica -> when its read started
         queued: dict[str, float] = {}           # replica -> the wait its queue explained at the start
         hedged: set[str] = set()
@@ -620,9 +630,10 @@ class StorePool:
         hold = -math.inf                  # no hedge before this (the hedge budget was spent)
         try:
             async with trio.open_nursery() as n:
-                if not ranked:
+                first = next_store()
+                if first is None:
                     raise last
-                newest = ranked.popleft()
+                newest = first
                 start(newest)
                 if explore is not None:
                     self._explored += 1
@@ -659,7 +670,7 @@ class StorePool:
                         assert isinstance(result, Exception)
                         failed(name, result)
                         last = result
-                        nxt = ranked.popleft() if ranked else None
+                        nxt = next_store()
                         if nxt is None:
                             more = False
                         else:
@@ -673,7 +684,7 @@ class StorePool:
                         self._hedges_skipped += 1
                         hold = trio.current_time() + self.config.hedge_max
                         continue
-                    nxt = ranked.popleft() if ranked else None
+                    nxt = next_store()
                     if nxt is None:
                         more = False
                     else:
@@ -723,8 +734,12 @@ class StorePool:
         The stores the manifest lists are tried first, then the chunk's current placement: where
         `cpfs scrub --repair` puts the copies a replaced, removed or too short store list lacks."""
         key = chunkfmt.chunk_key(entry.digest)
-        placed = [n for n in place(entry.digest, self.names, min(self.config.replicas, len(self.names)))
-                  if n not in entry.stores]
+        placed: list[str] = []
+
+        def placement() -> list[str]:
+            placed.extend(n for n in place(entry.digest, self.names, min(self.config.replicas, len(self.names)))
+                          if n not in entry.stores)
+            return placed
         failures: list[str] = []
         damaged: list[str] = []             # replicas that are corrupt or missing: to repair
         blobs: dict[str, bytes | memoryview] = {}
@@ -760,7 +775,7 @@ class StorePool:
             failures.append(f"{name}: {e}")
 
         try:
-            raw = await self._read_replicas(entry.stores, read, failed, then=placed)
+            raw = await self._read_replicas(entry.stores, read, failed, then=placement)
         except (StoreError, CorruptChunk):
             pass
         else:

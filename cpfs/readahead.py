@@ -439,9 +439,9 @@ class FileReader:
         self._kick()
 
     def _push(self, i: int, data: bytes | memoryview) -> None:
-        if self.feeder is not None and self._nursery is not None:
+        if self.feeder is not None:
             # Consumed once the kernel has it: the reader will not ask us.
-            self.feeder.offer(self._nursery, i, data, lambda: self._unpin(i))
+            self.feeder.offer(i, data, lambda: self._unpin(i))
 
     def _release_held(self, i: int) -> None:
         """A held chunk the reader went past without reading: to the kernel after all (it is here)."""
@@ -714,7 +714,7 @@ class FileReader:
         async def one(k: int, i: int) -> None:
             datas[k] = await self.sched.get_chunk(self.m, i, owner=self)
             if self.feeder is not None:
-                self.feeder.offer(self._nursery, i, datas[k])
+                self.feeder.offer(i, datas[k])
 
         if len(chunks) == 1:
             await one(0, chunks[0])

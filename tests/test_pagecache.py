@@ -27,20 +27,22 @@ async def test_every_page_pushed_once_whole_and_chunks_dropped_when_held():
         m, data = layout(seed)
         pushes: list[tuple[int, bytes]] = []
 
-        async def push(inode: int, offset: int, piece) -> None:
-            await trio.sleep(0)
-            pushes.append((offset, bytes(piece)))
+        def push(inode: int, offset: int, piece, done) -> None:
+            def land() -> None:               # on the next turn of the loop, as the daemon's do
+                pushes.append((offset, bytes(piece)))
+                done(None)
+            trio.lowlevel.current_trio_token().run_sync_soon(land)
 
         cache = ChunkCache(1 << 30)
         feeder = PageFeeder(m, 7, push, cache)
         order = list(range(len(m.chunks)))
         random.Random(seed).shuffle(order)
-        async with trio.open_nursery() as n:
-            for i in order:
-                piece = data[m.offsets[i]:m.offsets[i + 1]]
-                await cache.get(m.chunks[i].digest, len(piece), lambda p=piece: _ret(p))
-                feeder.offer(n, i, piece)
-                await trio.sleep(0)
+        for i in order:
+            piece = data[m.offsets[i]:m.offsets[i + 1]]
+            await cache.get(m.chunks[i].digest, len(piece), lambda p=piece: _ret(p))
+            feeder.offer(i, piece)
+            await trio.sleep(0)
+        await trio.sleep(0)                   # the last pushes land
         kernel = bytearray(len(data))
         covered = [0] * (-(-len(data) // PAGE))
         for offset, piece in pushes:
@@ -63,16 +65,43 @@ async def test_straddling_page_waits_for_its_other_chunk():
     m, data = layout(3)
     pushes: list[int] = []
 
-    async def push(inode: int, offset: int, piece) -> None:
+    def push(inode: int, offset: int, piece, done) -> None:
         pushes.append(offset)
+        done(None)
 
     cache = ChunkCache(1 << 30)
     feeder = PageFeeder(m, 1, push, cache)
     i = next(k for k in range(1, len(m.chunks)) if m.offsets[k] % PAGE)   # a chunk starting mid-page
-    async with trio.open_nursery() as n:
-        feeder.offer(n, i, data[m.offsets[i]:m.offsets[i + 1]])
+    feeder.offer(i, data[m.offsets[i]:m.offsets[i + 1]])
     assert m.offsets[i] // PAGE * PAGE not in pushes        # its first page needs chunk i-1 too
     assert not feeder.holds(i)
+
+
+async def test_a_refused_push_leaves_the_chunk_with_the_daemon_for_the_reader(autojump_clock):
+    """The kernel refused the pages (or has no notify_store): the chunk is not taken for the kernel's,
+    so the cache keeps it and its reads are not taken for dropped pages; `on_sent` still runs."""
+    import errno
+
+    m, data = layout(3)
+    big = max(range(len(m.chunks)), key=lambda i: m.chunks[i].raw_len)
+    piece = data[m.offsets[big]:m.offsets[big + 1]]
+    cache = ChunkCache(1 << 30)
+    await cache.get(m.chunks[big].digest, len(piece), lambda: _ret(piece))
+    asked: list[int] = []
+
+    def refuse(inode: int, offset: int, data, done) -> None:
+        asked.append(offset)
+        done(OSError(errno.EIO, "refused"))
+
+    feeder = PageFeeder(m, 7, refuse, cache)
+    sent: list[int] = []
+    feeder.offer(big, piece, lambda: sent.append(big))
+    assert asked and sent == [big]
+    assert big not in feeder.done and not feeder.holds(big) and feeder.pushes == 0
+    assert cache.peek(m.chunks[big].digest) is not None
+    await trio.sleep(RACE)
+    lo, hi = feeder._interior(big)
+    assert not feeder.lost(lo, hi), "a read of refused pages is an ordinary read"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,7 +113,7 @@ async def test_pushes_that_queue_up_go_in_one_thread_call_and_errors_reach_their
 
     import trio.testing
 
-    from cpfs.daemon import make_pusher
+    from cpfs.daemon import Pusher
 
     stored: list[int] = []
     release = threading.Event()
@@ -96,33 +125,40 @@ async def test_pushes_that_queue_up_go_in_one_thread_call_and_errors_reach_their
             raise OSError(errno.EIO, "no")
         stored.append(offset)
 
-    push = make_pusher(trio.CapacityLimiter(1), notify)
-    errors: list[tuple[int, int]] = []
+    push = Pusher(threads=1, notify=notify)
+    outcomes: dict[int, int | None] = {}
+    all_done = trio.Event()
 
-    async def one(offset: int) -> None:
-        try:
-            await push(1, offset, b"x" * PAGE)
-        except OSError as e:
-            errors.append((offset, e.errno))
+    def done_for(offset: int):
+        def done(error: OSError | None) -> None:
+            outcomes[offset] = None if error is None else error.errno
+            if len(outcomes) == 5:
+                all_done.set()
+        return done
 
     async with trio.open_nursery() as n:
-        n.start_soon(one, 0)
+        await n.start(push.run)
+        push(1, 0, b"x" * PAGE, done_for(0))
         await trio.testing.wait_all_tasks_blocked()
         for k in range(1, 5):
-            n.start_soon(one, k * PAGE)
+            push(1, k * PAGE, b"x" * PAGE, done_for(k * PAGE))
         await trio.testing.wait_all_tasks_blocked()
         release.set()
+        with trio.fail_after(10):
+            await all_done.wait()
+        n.cancel_scope.cancel()
     # The first push went alone; the four that queued behind it in one call, each with its own outcome.
     assert sorted(stored) == [0, PAGE, 2 * PAGE, 4 * PAGE]
-    assert errors == [(3 * PAGE, errno.EIO)]
+    assert outcomes == {0: None, PAGE: None, 2 * PAGE: None, 3 * PAGE: errno.EIO, 4 * PAGE: None}
     assert push.statistics().pieces == 5 and push.statistics().thread_calls == 2
     assert push.statistics().failed == 1
 
 
-async def test_a_kernel_without_notify_store_disables_the_pusher_quietly():
+async def test_a_kernel_without_notify_store_disables_the_pusher_and_refuses_every_push():
+    """The mount works without it: a refused push leaves the chunk with the daemon for the reader."""
     import errno
 
-    from cpfs.daemon import make_pusher
+    from cpfs.daemon import Pusher
 
     calls: list[int] = []
 
@@ -130,10 +166,23 @@ async def test_a_kernel_without_notify_store_disables_the_pusher_quietly():
         calls.append(offset)
         raise OSError(errno.ENOSYS, "not supported")
 
-    push = make_pusher(trio.CapacityLimiter(2), notify)
-    await push(1, 0, b"x")                # no error: the mount works without it
-    await push(1, PAGE, b"x")             # and no more thread calls
-    assert calls == [0]
+    push = Pusher(threads=2, notify=notify)
+    errors: list[int] = []
+    first = trio.Event()
+
+    def done(error: OSError | None) -> None:
+        assert error is not None
+        errors.append(error.errno)
+        first.set()
+
+    async with trio.open_nursery() as n:
+        await n.start(push.run)
+        push(1, 0, b"x", done)
+        with trio.fail_after(10):
+            await first.wait()
+        push(1, PAGE, b"x", done)         # refused at once: no more thread calls
+        n.cancel_scope.cancel()
+    assert calls == [0] and errors == [errno.ENOSYS, errno.ENOSYS] and push.disabled
 
 
 async def test_a_read_of_pushed_pages_means_the_kernel_dropped_them_and_everything_is_pushed_again(autojump_clock):
@@ -142,15 +191,15 @@ async def test_a_read_of_pushed_pages_means_the_kernel_dropped_them_and_everythi
     m, data = layout(3)
     pushes: list[int] = []
 
-    async def push(inode: int, offset: int, piece) -> None:
+    def push(inode: int, offset: int, piece, done) -> None:
         pushes.append(offset)
+        done(None)
 
     feeder = PageFeeder(m, 7, push, ChunkCache(1 << 30))
     big = max(range(len(m.chunks)), key=lambda i: m.chunks[i].raw_len)
     lo, hi = feeder._interior(big)
     assert hi - lo >= PAGE
-    async with trio.open_nursery() as n:
-        feeder.offer(n, big, data[m.offsets[big]:m.offsets[big + 1]])
+    feeder.offer(big, data[m.offsets[big]:m.offsets[big + 1]])
     assert pushes == [lo] and big in feeder.done
     other = next(i for i in range(len(m.chunks)) if i != big and feeder._interior(i)[1] > feeder._interior(i)[0])
     assert not feeder.lost(*feeder._interior(other))          # never pushed: an ordinary read
@@ -159,8 +208,7 @@ async def test_a_read_of_pushed_pages_means_the_kernel_dropped_them_and_everythi
     assert feeder.lost(lo, lo + PAGE)                          # pushed a while ago, and asked for again
     feeder.forget()
     assert not feeder.lost(lo, lo + PAGE) and big not in feeder.sent and feeder.drops == 1
-    async with trio.open_nursery() as n:
-        feeder.offer(n, big, data[m.offsets[big]:m.offsets[big + 1]])
+    feeder.offer(big, data[m.offsets[big]:m.offsets[big + 1]])
     assert pushes == [lo, lo]                                  # pushed again
 
 
@@ -178,5 +226,5 @@ def test_reads_of_dropped_pages_mean_a_dropped_stretch_once_they_add_up_nearby()
     assert not feeder.dropped_stretch(0, step)                              # counting starts again
 
 
-async def _noop_push(inode: int, offset: int, piece) -> None:
+def _noop_push(inode: int, offset: int, piece, done) -> None:
     pass

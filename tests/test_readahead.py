@@ -193,11 +193,15 @@ class Kernel:
         self.pages.update(p for p in range(lo, hi)
                           if (p + 1) * self.PAGE <= offset + n or offset + n == self.size)
 
-    async def push(self, inode: int, offset: int, piece) -> None:
-        await trio.sleep(0)
-        self.data[offset:offset + len(piece)] = piece
-        lo = -(-offset // self.PAGE) * self.PAGE
-        self._mark(lo, max(0, offset + len(piece) - lo))
+    def push(self, inode: int, offset: int, piece, done) -> None:
+        """Lands on the next turn of the event loop, as the daemon's pushes land after a thread call."""
+        def land() -> None:
+            self.data[offset:offset + len(piece)] = piece
+            lo = -(-offset // self.PAGE) * self.PAGE
+            self._mark(lo, max(0, offset + len(piece) - lo))
+            done(None)
+
+        trio.lowlevel.current_trio_token().run_sync_soon(land)
 
     async def read(self, reader, offset: int, size: int) -> bytes:
         """Like the kernel: the daemon is asked for each run of missing pages the read touches. Pushes
