@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import trio
+import trio.testing
 
 from cpfs.cache import ChunkCache
 from cpfs.chunk import chunk_hash
@@ -42,7 +43,7 @@ async def test_every_page_pushed_once_whole_and_chunks_dropped_when_held():
             await cache.get(m.chunks[i].digest, len(piece), lambda p=piece: _ret(p))
             feeder.offer(i, piece)
             await trio.sleep(0)
-        await trio.sleep(0)                   # the last pushes land
+        await trio.testing.wait_all_tasks_blocked()   # the last pushes land (run_sync_soon wakes the loop)
         kernel = bytearray(len(data))
         covered = [0] * (-(-len(data) // PAGE))
         for offset, piece in pushes:
