@@ -585,7 +585,7 @@ class StorePool:
         def next_store() -> str | None:
             nonlocal then
             if not ranked and then is not None:
-                ranked.extend(n for n in self.rank(then()) if n not in names and n != explore)
+                ranked.extend(n for n in self.rank(then()) if n not in names)   # explore is one of names
                 then = None
             return ranked.popleft() if ranked else None
 
