@@ -74,6 +74,7 @@ Span = tuple[int, int]  # (offset, length)
 
 _MAX_AHEAD = 1024                  # written ranges remembered beyond the contiguous frontier
 _IO_THREADS = 4                    # default staging I/O limiter of a session
+ROOM_WAIT = 60.0                   # seconds a write waits for one write-behind step on a full staging disk
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class WriterStats:
     peak_buffered_bytes: int
     uploads_in_flight: int      # write-behind uploads running
     commits: int
+    room_waits: int             # times a write found the staging disk full and waited for write-behind
 
 
 class _Signal:
@@ -108,6 +110,10 @@ class _Signal:
 
     async def wait(self) -> None:
         await self._event.wait()
+
+    def next(self) -> trio.Event:
+        """The event the next fire() sets: taken before a wait that must not miss a fire meanwhile."""
+        return self._event
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,8 @@ class WriteSession:
         self._no_readers = _Signal()
         self._dropping: Span | None = None    # (start, end) being punched
         self._dropped = _Signal()
+        self._room = _Signal()                # write-behind took a step that may free staging room
+        self._room_waits = 0                  # writes that found staging full and waited
 
         # Write-behind.
         self._streaming = base is None or base.size == 0
@@ -238,29 +246,70 @@ class WriteSession:
             new_raw_bytes=up.new_raw_bytes, base_chunks_fetched=self._fetched,
             chunks_dropped=self._drops, dropped_fetched=self._refetched,
             buffered_bytes=self._buffered, peak_buffered_bytes=self._peak,
-            uploads_in_flight=len(self._inflight), commits=self._commits)
+            uploads_in_flight=len(self._inflight), commits=self._commits, room_waits=self._room_waits)
 
     async def write(self, offset: int, data: bytes | memoryview) -> int:
         if offset < 0:
             raise StagingError(f"{self.path}: write at negative offset {offset}", errno.EINVAL)
         if not data:
             return 0
-        async with self._lock:
-            self._file.check_open()
-            self._check_poisoned()
-            end = offset + len(data)
-            try:
-                if self._away:
-                    await self._before_change(offset, end)
-                await self._file.pwrite(data, offset)
-            except BaseException as e:
-                self._poison(f"write of {len(data)} bytes at {offset}", e)
-                raise
-            self._size = max(self._size, end)
-            self._changed(offset, end)
-            self._bytes_written += len(data)
-            self._advance_frontier(offset, end)
-        return len(data)
+        end = offset + len(data)
+        while True:
+            async with self._lock:
+                self._file.check_open()
+                self._check_poisoned()
+                try:
+                    if self._away:
+                        await self._before_change(offset, end)
+                    await self._file.pwrite(data, offset)
+                except StagingError as e:
+                    if e.errno != errno.ENOSPC or not self._room_may_come():
+                        self._poison(f"write of {len(data)} bytes at {offset}", e)
+                        raise
+                    self._changed(offset, end)      # some of it may have landed: not stored as it is
+                    room = self._room.next()
+                except BaseException as e:
+                    self._poison(f"write of {len(data)} bytes at {offset}", e)
+                    raise
+                else:
+                    self._size = max(self._size, end)
+                    self._changed(offset, end)
+                    self._bytes_written += len(data)
+                    self._advance_frontier(offset, end)
+                    return len(data)
+            await self._wait_for_room(room, offset, len(data))
+
+    def _room_may_come(self) -> bool:
+        """Whether write-behind may still free staging room for a write that found it full: a span is
+        being stored or scanned, one is ready to store, or stored ones are ready to drop. Not when the
+        file is not written in order (nothing is stored before flush) or staging cannot punch holes."""
+        if not (self._streaming and self._can_drop) or self._paused or self._stream_error is not None:
+            return False
+        scanner = self._scanner
+        return bool(self._background or self._ready_span() is not None
+                    or (self._droppable and sum(self._droppable[0]) <= scanner.settled_upto)
+                    or (not scanner.done and scanner.need <= self._frontier))
+
+    async def _wait_for_room(self, room: trio.Event, offset: int, length: int) -> None:
+        """Backpressure: the staging disk is full and write-behind is behind the writer. The write waits,
+        without the lock (write-behind's drops take it), for write-behind's next step, then tries again.
+        Only writes still in flight can land meanwhile, and any order of those is one the writer allowed.
+        A step that takes longer than ROOM_WAIT fails the write (ENOSPC) instead of holding it."""
+        self._room_waits += 1
+        if self._room_waits == 1 or self._room_waits % 100 == 0:
+            log.info("%s: staging is full at offset %d (+%d); the write waits for write-behind to store "
+                     "and drop chunks (%d waits so far)", self.path, offset, length, self._room_waits)
+        try:
+            with trio.fail_after(ROOM_WAIT):
+                await room.wait()
+        except trio.TooSlowError:
+            e = StagingError(f"{self.path}: staging file {self._file.path} is full and write-behind freed "
+                             f"nothing in {ROOM_WAIT:.0f} s (write at {offset}, {length} bytes)", errno.ENOSPC)
+            self._poison(f"write of {length} bytes at {offset}", e)
+            raise e from None
+        except BaseException as e:      # interrupted: part of the write may have landed
+            self._poison(f"write of {length} bytes at {offset}", e)
+            raise
 
     def set_attributes(self, **fields: object) -> None:
         """chmod, chown, utimens, setxattr of the open file: the next flush commits them, even if no byte
@@ -598,6 +647,7 @@ class WriteSession:
             self._slots.release_on_behalf_of(token)
             self._background -= 1
             self._idle.fire()
+            self._room.fire()
 
     async def _drop_settled(self) -> None:
         """Streamed spans that lie inside finished tensor records leave the staging file: their bytes are
@@ -605,6 +655,12 @@ class WriteSession:
         like a base version's chunks). Staging a checkpoint whole cost fresh page-cache pages for every
         byte (and disk writes, once more than ~10% of memory was dirty); now it holds about a record.
         Spans holding a zip header stay: the index at commit reads those."""
+        try:
+            await self._drop_ready()
+        finally:
+            self._room.fire()
+
+    async def _drop_ready(self) -> None:
         settled = self._scanner.settled_upto
         ready = list(itertools.takewhile(lambda span: sum(span) <= settled, self._droppable))  # sorted
         self._droppable = self._droppable[len(ready):]
@@ -645,6 +701,7 @@ class WriteSession:
         finally:
             self._background -= 1
             self._idle.fire()
+            self._room.fire()
 
     # ------------------------------------------------------------------ storing and committing
 

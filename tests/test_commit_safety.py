@@ -142,7 +142,9 @@ async def test_a_write_that_fills_the_staging_disk_poisons_the_session(tmp_path:
     data = rand_bytes(8 * MiB, 2)
     async with open_session(env, "/ckpt.bin") as s:
         with pytest.raises(StagingError) as full:
-            for off in range(0, len(data), MiB):
+            # Backwards: written in order, write-behind would store chunks and drop them from the staging
+            # file as the writer goes, and the writer would wait for that room (the next test).
+            for off in range(len(data) - MiB, -1, -MiB):
                 await s.write(off, data[off:off + MiB])
         assert full.value.errno == errno.ENOSPC
         for attempt in (lambda: s.flush(closing=False), s.flush, s.flush,     # fsync, close, close
@@ -150,9 +152,48 @@ async def test_a_write_that_fills_the_staging_disk_poisons_the_session(tmp_path:
             with pytest.raises(WriteFailed) as refused:
                 await attempt()
             assert refused.value.errno == errno.ENOSPC
-        assert await s.read(0, 100) == data[:100]     # reads still see what was written
+        assert await s.read(len(data) - 100, 100) == data[-100:]     # reads still see what was written
     assert (await env.catalog.get("/ckpt.bin")).version == v1.version
     assert [i.ref.state for i in await env.catalog.history("/ckpt.bin")] == ["ok"]
+
+
+async def test_a_writer_faster_than_write_behind_waits_for_staging_room(tmp_path: Path, tmpfs) -> None:
+    """A torch.save six times the staging disk, written in order as fast as it goes, to stores that
+    take 24 MiB/s each: the writes that find staging full wait for write-behind to store and drop
+    chunks, and the file commits whole. Before, such a write failed with ENOSPC."""
+    env = await make_env(tmp_path / "cpfs", store_extra='bandwidth = "24MiB/s"')
+    env = dataclasses.replace(env, staging=tmpfs(tmp_path / "small", 4 * MiB))
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(196_608, generator=g) for i in range(32)}      # 0.75 MiB each
+    blob = torch_bytes(sd)
+    assert len(blob) >= 6 * 4 * MiB
+    async with open_session(env, "/ckpt.pt") as s:
+        for off in range(0, len(blob), 256 * 1024):
+            await s.write(off, blob[off:off + 256 * 1024])
+        m = await s.flush()
+        st = s.statistics()
+    assert st.room_waits > 0, st          # the disk did fill: the case under test happened
+    assert st.chunks_dropped > 0
+    assert m is not None and await stored_bytes(env.pool, m) == blob
+    assert (await env.catalog.get("/ckpt.pt")).version == m.version
+
+
+async def test_a_full_staging_disk_that_write_behind_cannot_free_still_fails_the_write(tmp_path: Path,
+                                                                                      tmpfs) -> None:
+    """One record larger than the staging disk: nothing inside it can drop before the record ends, so
+    once write-behind has stored what it can, the write fails with ENOSPC and never commits."""
+    env = await make_env(tmp_path / "cpfs")
+    env = dataclasses.replace(env, staging=tmpfs(tmp_path / "small", 4 * MiB))
+    blob = torch_bytes({"big": torch.randn(2 * MiB, generator=torch.Generator().manual_seed(4))})  # 8 MiB
+    async with open_session(env, "/big.pt") as s:
+        with pytest.raises(StagingError) as full:
+            for off in range(0, len(blob), 256 * 1024):
+                await s.write(off, blob[off:off + 256 * 1024])
+        assert full.value.errno == errno.ENOSPC
+        with pytest.raises(WriteFailed):
+            await s.flush()
+    with pytest.raises(NotFound):
+        await env.catalog.get("/big.pt")
 
 
 @pytest.mark.parametrize("change", ["write", "truncate"])
@@ -451,20 +492,20 @@ def test_a_full_staging_disk_gives_enospc_at_write_and_close(make_config, tmp_pa
 @pytest.mark.mount
 def test_files_written_in_order_need_staging_for_about_a_record(make_config, tmp_path, tmpfs, mount) -> None:
     """Stored chunks leave the staging file as the writer goes: a 64 MiB file and a 48 MiB torch.save,
-    both written in order, commit through a 16 MiB staging tmpfs, and read back equal."""
+    both written in order as fast as they go to stores of 64 MiB/s each, commit through a 16 MiB staging
+    tmpfs and read back equal. The writer outruns write-behind: its writes wait for room."""
     tmpfs(tmp_path / "staging", 16 * MiB)
-    m = mount(config(make_config, tmp_path))
+    m = mount(config(make_config, tmp_path, store_extra='bandwidth = "64MiB/s"'))
     data = rand_bytes(64 * MiB, 3)
     with open(m.path / "shard.bin", "wb") as f:
         for off in range(0, len(data), MiB):
             f.write(data[off:off + MiB])
-            f.flush()
-            time.sleep(0.005)   # as a writer that computes between writes: write-behind keeps up
     sd = {f"t{i}": torch.randn(1_500_000, generator=torch.Generator().manual_seed(i)) for i in range(8)}
     torch.save(sd, m.path / "ckpt.pt")
     assert (m.path / "shard.bin").read_bytes() == data
     loaded = torch.load(m.path / "ckpt.pt", weights_only=True)
     assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+    assert "the write waits for write-behind" in m.log.read_text()
 
 
 @pytest.mark.mount
