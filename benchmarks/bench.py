@@ -407,14 +407,23 @@ def case_partial(ctx: Ctx) -> list[Row]:
     if hasattr(mod, "bench_rows"):
         results = mod.bench_rows(size=size, repeat=ctx.repeat, workdir=ctx.work)
     else:
-        code = mod.main(["--size", str(size), "--workdir", str(ctx.work), "--json", str(out)])
+        code = mod.main(["--size", str(size), "--workdir", str(ctx.work), "--json", str(out), "--declare"])
         if code != 0 or not out.exists():
             return [Row("partial", "partial loads", None, None, "", note=f"bench_partial exited {code}")]
         results = json.loads(out.read_text())
-    return [Row("partial", f"{r['fmt']} {r['case']}", r["seconds"], r["fetched"] / r["read"] if r["read"] else None,
+    plain = {(r["fmt"], r["case"]): r["seconds"] for r in results if not r.get("declared")}
+
+    def speedup(r: dict) -> dict[str, str]:
+        """A declared load's time against the same load undeclared (same run)."""
+        base = plain.get((r["fmt"], r["case"])) if r.get("declared") else None
+        return {"vs undeclared": f"{base / r['seconds']:.2f}x faster"} if base and r["seconds"] else {}
+
+    return [Row("partial", f"{r['fmt']} {r.get('name', r['case'])}", r["seconds"],
+                r["fetched"] / r["read"] if r["read"] else None,
                 "bytes read", r["bound"] / r["read"] if r["read"] else None, lower_is_better=True,
                 extra={"read": human(r["read"]), "fetched": human(r["fetched"]),
-                       "fetched/touched": f"{r['fetched'] / r['touched']:.2f}" if r.get("touched") else ""})
+                       "fetched/touched": f"{r['fetched'] / r['touched']:.2f}" if r.get("touched") else "",
+                       **speedup(r)})
             for r in results]
 
 

@@ -11,6 +11,11 @@ ways:
             tensors whole (tensor-parallel resume);
 - full:     everything (`.pt`: a plain torch.load; safetensors: every `get_tensor`).
 
+With --declare, the weights, stage and full cases run a second time with the reader declaring its
+tensors first (`user.cpfs.prefetch`, cpfs/plan.py: globs such as `model.*`, set inside the timing, then
+the same load): the mount fetches them all at once instead of as the reads arrive. (Not the slice case:
+a declaration names whole tensors.)
+
 `.pt` partial cases use `torch.load(mmap=True)` and read only their part. What the process read is
 computed from the file's tensor index (the loader's metadata: zip directory, data.pkl, safetensors
 header, plus the tensor bytes it asked for); what was fetched is the stores' `bytes_read` from the
@@ -18,11 +23,13 @@ mount's statistics (`.cpfs-stats`), before and after the child. The target: fetc
 chunk per range boundary (a run of adjacent read bytes has two boundaries).
 
     python -m benchmarks.bench_partial [--size 512MiB] [--latency 5ms --bandwidth 400MiB/s] [--cases ...]
+                                       [--declare]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -133,19 +140,32 @@ def wanted(case: str, names: list[str]) -> list[str]:
     return list(names)
 
 
+def declared(case: str, names: list[str]) -> list[str]:
+    """What a loader of the case declares before it reads (cpfs/plan.py): globs, as a loader that knows
+    its model would write them."""
+    if case == "weights":
+        return ["model.*"]
+    if case == "stage":
+        return sorted({".".join(n.split(".")[:3]) + ".*" for n in wanted(case, names)})   # model.layers.6.*
+    return ["*"]
+
+
 def rows(shape: list[int]) -> tuple[int, int]:
     per = shape[0] // RANKS
     return RANK * per, (RANK + 1) * per
 
 
-def _child(fmt: str, case: str, path: str) -> dict[str, Any]:
-    """Read the case's part; report what was asked: [name, first row, end row] (rows None = whole)."""
+def _child(fmt: str, case: str, path: str, declare: str = "") -> dict[str, Any]:
+    """Read the case's part; report what was asked: [name, first row, end row] (rows None = whole).
+    `declare`: tensor-name globs (lines) declared to the mount first, inside the timing."""
     import torch
 
     note = drop_caches()
     got: list[list[Any]] = []
     checksum = 0.0
     t0 = time.perf_counter()
+    if declare:
+        os.setxattr(path, "user.cpfs.prefetch", declare.encode())
     if fmt == "safetensors":
         from safetensors import safe_open
 
@@ -247,6 +267,11 @@ class Result:
     sched_fetched: int         # chunk bytes the scheduler fetched for this file's opens (no hedge copies)
     seconds: float
     files: list[dict[str, Any]]
+    declared: bool = False     # the reader declared its tensors first (user.cpfs.prefetch)
+
+    @property
+    def name(self) -> str:
+        return f"{self.case}, declared" if self.declared else self.case
 
     @property
     def bound(self) -> int:
@@ -275,8 +300,8 @@ def write_config(folder: Path, latency: str | None, bandwidth: str | None) -> Pa
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["child"]:                 # python -m benchmarks.bench_partial child FORMAT CASE PATH
-        print(json.dumps(_child(*argv[1:4])))
+    if argv[:1] == ["child"]:           # python -m benchmarks.bench_partial child FORMAT CASE PATH [DECLARE]
+        print(json.dumps(_child(*argv[1:5])))
         return 0
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_partial", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=512 * MiB, help="checkpoint size (default 512MiB)")
@@ -285,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--workdir", type=Path, help="where the temporary stores and mounts go (default /tmp)")
+    p.add_argument("--declare", action="store_true",
+                   help="also run the weights, stage and full cases with the reader declaring its tensors first")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     try:
@@ -311,11 +338,15 @@ def run(args: argparse.Namespace) -> int:
                 raise BenchError(f"{paths[fmt]} has no tensor index")
             from .common import cpfs
             chunks = [c[1] for c in json.loads(cpfs("inspect", "--json", f"/{paths[fmt].name}", config=cfg).stdout)["chunks"]]
-            for case in args.cases:
-                with mounted(cfg, mp, work / f"{fmt}-{case}.log") as m:
+            names = [t.name for t in index.tensors]
+            runs = [(case, "") for case in args.cases]
+            if args.declare:
+                runs += [(case, "\n".join(declared(case, names))) for case in args.cases if case != "slice"]
+            for case, declare in runs:
+                with mounted(cfg, mp, work / f"{fmt}-{case}{'-declared' if declare else ''}.log") as m:
                     before = stats(mp, cfg)
                     r = run_child([sys.executable, "-m", "benchmarks.bench_partial", "child", fmt, case,
-                                   str(mp / paths[fmt].name)], timeout=1800)
+                                   str(mp / paths[fmt].name), declare], timeout=1800)
                     time.sleep(0.5)           # fetches the closing reader cancelled settle
                     after = stats(mp, cfg)
                 if m.problems:
@@ -327,16 +358,17 @@ def run(args: argparse.Namespace) -> int:
                              fetched, touched(chunks, ranges), after["replicas"]["hedges"] - before["replicas"]["hedges"],
                              sum(f["fetched_bytes"] for f in after["scheduler"].get("files", [])
                                  if f["path"] == f"/{paths[fmt].name}"),
-                             r["seconds"], after["scheduler"].get("files", []))
+                             r["seconds"], after["scheduler"].get("files", []), bool(declare))
                 results.append(res)
-                print(f"  {fmt:<11} {case:<7} read {human(res.read):>11} in {res.ranges:>3} ranges, fetched "
+                print(f"  {fmt:<11} {res.name:<16} read {human(res.read):>11} in {res.ranges:>3} ranges, fetched "
                       f"{human(fetched):>11} = {fetched / res.read:5.2f}x, bound {human(res.bound)}  "
                       f"({r['seconds']:.1f} s)", flush=True)
     finally:
         remove_tree(work)
     report(results)
     if args.json:
-        args.json.write_text(json.dumps([{**r.__dict__, "bound": r.bound} for r in results], indent=1))
+        args.json.write_text(json.dumps([{**r.__dict__, "bound": r.bound, "name": r.name} for r in results],
+                                        indent=1))
     return 0
 
 
@@ -348,10 +380,17 @@ def report(results: list[Result]) -> None:
     print("touched = bytes of the chunks the pages of the read ranges overlap (the least whole-chunk fetches can move)")
     print_table(["format", "case", "read", "ranges", "touched", "fetched", "fetched/read", "fetched/touched",
                  "fetched/file", "fetched/bound", "target", "hedges", "sched/read", "seconds"],
-                [[r.fmt, r.case, human(r.read), r.ranges, human(r.touched), human(r.fetched), f"{r.fetched / r.read:.2f}",
+                [[r.fmt, r.name, human(r.read), r.ranges, human(r.touched), human(r.fetched), f"{r.fetched / r.read:.2f}",
                   f"{r.fetched / r.touched:.2f}", f"{r.fetched / r.size:.2f}", f"{r.fetched / r.bound:.2f}",
                   "met" if r.fetched <= r.bound else "MISSED", r.hedges,
                   f"{r.sched_fetched / r.read:.2f}", f"{r.seconds:.1f}"] for r in results])
+    plain = {(r.fmt, r.case): r for r in results if not r.declared}
+    pairs = [(plain[(r.fmt, r.case)], r) for r in results if r.declared and (r.fmt, r.case) in plain]
+    if pairs:
+        print("\n== declared prefetch (user.cpfs.prefetch) against the same load undeclared, same run")
+        print_table(["format", "case", "seconds", "declared", "speedup", "fetched/read", "declared"],
+                    [[a.fmt, a.case, f"{a.seconds:.2f}", f"{b.seconds:.2f}", f"{a.seconds / b.seconds:.2f}x",
+                      f"{a.fetched / a.read:.2f}", f"{b.fetched / b.read:.2f}"] for a, b in pairs])
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from . import stats
+from . import plan, stats
 from .catalog import Catalog, Unreadable
 from .chunking import READ_BLOCK
 from .config import Config
@@ -148,6 +148,7 @@ class CpfsOperations(pyfuse3.Operations):
         self._busy_paths: list[str] = []          # paths this mount is changing the manifests of
         self._touched: set[str] | None = None     # paths changed here while the stores are listed
         self._capacity: tuple[float, Capacity | None] | None = None   # (when asked, answer) for statfs
+        self.plans: dict[int, plan.Plan] = {}      # inode -> its declared prefetch (cpfs/plan.py)
         now = time.time_ns()
         root = self.ns.node(pyfuse3.ROOT_INODE)   # attributes of this mount's own (see the module doc)
         root.summary = Summary(path="/", size=0, mtime_ns=now, mode=0o755, version=0, directory=True,
@@ -409,7 +410,8 @@ class CpfsOperations(pyfuse3.Operations):
         """Every layer's statistics() as the JSON document `.cpfs-stats` and the metrics server serve."""
         mount = {"files": sum(1 for n in self.ns.nodes.values() if not n.is_dir), "retired": len(self.ns.retired),
                  "open_handles": len(self.handles), "writing": len(self.writing)}
-        return stats.collect(pool=self.catalog.pool, catalog=self.catalog, scheduler=self.sched, mount=mount)
+        return stats.collect(pool=self.catalog.pool, catalog=self.catalog, scheduler=self.sched, mount=mount,
+                             plans=[p.statistics() for p in self.plans.values()])
 
     @boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -698,6 +700,10 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         key = self._xattr_name(inode, name)
+        if key == plan.XATTR:
+            if inode not in self.plans:
+                raise pyfuse3.FUSEError(errno.ENODATA)
+            return self.plans[inode].statistics().to_json()
         try:
             return self._xattrs(self.ns.node(inode))[key]
         except KeyError:
@@ -714,6 +720,9 @@ class CpfsOperations(pyfuse3.Operations):
         key = self._xattr_name(inode, name)
         if len(value) > XATTR_SIZE_MAX:
             raise pyfuse3.FUSEError(errno.E2BIG)
+        if key == plan.XATTR:
+            await self._declare_prefetch(self.ns.node(inode), value)
+            return
         node = self.ns.node(inode)
         xattrs = self._xattrs(node)
         xattrs[key] = bytes(value)
@@ -726,11 +735,31 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         key = self._xattr_name(inode, name)
+        if key == plan.XATTR:
+            if inode not in self.plans:
+                raise pyfuse3.FUSEError(errno.ENODATA)
+            self.plans.pop(inode).cancel()
+            return
         node = self.ns.node(inode)
         xattrs = self._xattrs(node)
         if xattrs.pop(key, None) is None:
             raise pyfuse3.FUSEError(errno.ENODATA)
         await self._change(node, xattrs=tuple(sorted(xattrs.items())))
+
+    async def _declare_prefetch(self, node: Node, value: bytes) -> None:
+        """Start the prefetch a loader declared (cpfs/plan.py), replacing the file's previous one."""
+        if node.is_dir or node.summary is None or node.ino in self.writing:
+            raise plan.PlanError(f"{node.path}: a declared prefetch needs a committed file")
+        patterns = plan.parse_patterns(value)
+        p = plan.Plan(self.sched, node.ino, await self._manifest(node), node.index, patterns)
+        old = self.plans.pop(node.ino, None)
+        if old is not None:
+            old.cancel()
+        for ino in [i for i, q in self.plans.items() if q.statistics().done][:max(0, len(self.plans) - plan.KEPT)]:
+            del self.plans[ino]                 # the oldest finished plans' figures go first
+        self.plans[node.ino] = p
+        assert self.nursery is not None
+        self.nursery.start_soon(p.run)
 
     # -- names ------------------------------------------------------------------------------------
     @boundary

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 CONTROL_NAME = ".cpfs-stats"
@@ -25,9 +26,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any]) -> bytes:
+def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], plans: Sequence[Any] = ()) -> bytes:
     """The JSON document: stores (requests, bytes, errors, latency), their health, replica reads
-    (hedges, repairs), the chunk cache, the readahead scheduler, the catalog, and the mount's own."""
+    (hedges, repairs), the chunk cache, the readahead scheduler, declared prefetches, the catalog, and
+    the mount's own."""
     doc = {
         "time": time.time(),
         "stores": _plain(pool.statistics()),
@@ -35,6 +37,7 @@ def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any]) -
         "replicas": _plain(pool.replica_statistics()),
         "cache": _plain(scheduler.cache.statistics()),
         "scheduler": _plain(scheduler.statistics()),
+        "plans": _plain(list(plans)),
         "catalog": _plain(catalog.statistics()),
         "mount": mount,
     }
@@ -89,6 +92,10 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
             figures = ", ".join(f"{k} {_figure(k, v)}" for k, v in f.items()
                                 if k not in ("path", "name") and isinstance(v, (int, float)) and not isinstance(v, bool))
             lines.append(f"file {name}: {figures}")
+    for p in now.get("plans", []):
+        lines.append(f"declared prefetch {p['path']} ({', '.join(p['patterns'])}): {p['tensors']} tensors, "
+                     f"{p['fetched_bytes'] / MiB:.1f} of {p['bytes'] / MiB:.1f} MiB fetched, "
+                     f"{p['failed_chunks']} chunks failed, {'done' if p['done'] else 'running'} ({p['seconds']:.1f} s)")
     lines.append(f"replicas: {r['reads']} reads, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
                  f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")
     m = now["mount"]

@@ -66,3 +66,88 @@ def test_a_full_read_through_the_mount_is_fetched_once_and_counted_per_file(make
     [f] = [f for f in doc["scheduler"]["files"] if f["path"] == "/f.bin"]
     assert f["fetched_bytes"] == len(data) and not f["open"]
     assert f["prefetched_bytes"] > 0 and f["prefetch_used_bytes"] + f["prefetch_wasted_bytes"] == f["prefetched_bytes"]
+
+
+def wait_plan(path: Path, timeout: float = 60.0) -> dict:
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        s = json.loads(os.getxattr(path, "user.cpfs.prefetch"))
+        if s["done"] or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(make_config, tmp_path: Path,
+                                                                               mount, fmt: str) -> None:
+    """`user.cpfs.prefetch` names two layers of eight: exactly their chunks (and the head) are fetched at
+    once into the page cache, the loader's reads of them then fetch nearly nothing, and its tensors equal
+    the originals. Not stored: no new version, not listed."""
+    import errno
+    import os
+
+    torch = pytest.importorskip("torch")
+    safetensors = pytest.importorskip("safetensors.torch")
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for k in range(8):
+        tensors[f"layers.{k}.weight"] = torch.randn(1024, 1024, generator=g)      # 4 MiB
+        tensors[f"layers.{k}.bias"] = torch.randn(1024, generator=g)
+    src = tmp_path / f"model.{fmt}"
+    if fmt == "pt":
+        torch.save(tensors, src)
+    else:
+        safetensors.save_file(tensors, str(src))
+    cfg = make_config(chunk_size="4MiB", cache="256MiB", extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    cpfs("put", str(src), f"/model.{fmt}", config=cfg)
+    (tmp_path / "plain.bin").write_bytes(os.urandom(MiB))
+    cpfs("put", str(tmp_path / "plain.bin"), "/plain.bin", config=cfg)
+    m = mount(cfg)
+    path = m.path / f"model.{fmt}"
+    versions = cpfs("log", f"model.{fmt}", config=cfg).stdout
+
+    before, _ = fetched_bytes(m, cfg)
+    os.setxattr(path, "user.cpfs.prefetch", b"layers.2.*\nlayers.5.*")
+    plan = wait_plan(path)
+    planned, doc = fetched_bytes(m, cfg)
+    wanted = [k for k in tensors if k.startswith(("layers.2.", "layers.5."))]
+    nbytes = sum(tensors[k].numel() * 4 for k in wanted)
+    print(f"\n{fmt}: plan {plan}; fetched {(planned - before) / MiB:.1f} MiB for {nbytes / MiB:.1f} MiB of tensors")
+    assert plan["done"] and plan["tensors"] == 4 and plan["failed_chunks"] == 0
+    assert plan["fetched_bytes"] >= nbytes
+    # + the head, and the neighbours' chunks sharing a page with either end of the two ranges
+    assert nbytes <= planned - before <= 1.3 * nbytes + 2 * 2 * CHUNK
+    assert [p["patterns"] for p in doc["plans"]] == [["layers.2.*", "layers.5.*"]]
+
+    if fmt == "pt":
+        sd = torch.load(path, weights_only=True, mmap=True)
+        got = {k: sd[k].clone() for k in wanted}
+        del sd                                  # its mapping would keep the mount busy at unmount
+    else:
+        with safe_open(str(path), "pt") as f:
+            got = {k: f.get_tensor(k).clone() for k in wanted}
+    assert all(torch.equal(got[k], tensors[k]) for k in wanted)
+    _, doc = fetched_bytes(m, cfg)
+    # Every page of the declared tensors is with the kernel: the load's reads reach the daemon only for
+    # the file's metadata and for pages the kernel dropped since (this VM's host reclaims cold pages).
+    served = sum(f["read_bytes"] for f in doc["scheduler"]["files"] if f["path"] == f"/model.{fmt}")
+    print(f"the daemon served {served / MiB:.2f} MiB of the {nbytes / MiB:.1f} MiB loaded")
+    assert served <= 0.05 * nbytes
+
+    assert "user.cpfs.prefetch" not in os.listxattr(path)
+    assert cpfs("log", f"model.{fmt}", config=cfg).stdout == versions
+    os.removexattr(path, "user.cpfs.prefetch")
+    for call, value, err in [(os.getxattr, None, errno.ENODATA), (os.removexattr, None, errno.ENODATA),
+                             (os.setxattr, b"no.such.tensor", errno.EINVAL), (os.setxattr, b"\xff", errno.EINVAL)]:
+        with pytest.raises(OSError) as e:
+            call(path, "user.cpfs.prefetch", *([value] if value is not None else []))
+        assert e.value.errno == err, call
+    with pytest.raises(OSError) as e:
+        os.setxattr(m.path / "plain.bin", "user.cpfs.prefetch", b"x")
+    assert e.value.errno == errno.EINVAL
+    assert "no tensor index" in m.log.read_text() and "no tensor matches no.such.tensor" in m.log.read_text()

@@ -1,0 +1,196 @@
+"""Prefetch a loader declares: it names the tensors it will read, and they are fetched now.
+
+The readahead scheduler learns what a reader does from its reads, so a rank that loads a slice of a
+checkpoint (one pipeline stage, its experts, the model weights without the optimizer state) fetches
+each tensor only as its reads arrive. A loader that knows what it will read says so before it reads:
+
+    os.setxattr(path, "user.cpfs.prefetch", b"layers.1.*\\nlayers.2.*\\nembed.weight")
+
+The value is a list of tensor names, one per line (or comma-separated), each matched as a glob
+(`fnmatch.fnmatchcase`: `*` spans dots too). The mount then fetches the chunks that hold the matching
+tensors, at once and in parallel from every store (fetch_concurrency at a time, each chunk from its
+best replica), into the kernel's page cache, so the loader's reads and mmap faults find them there. A
+torch file's tensors are read as whole storages, so a match fetches its storage, plus the small chunk
+of the record's zip header; every plan also fetches the file's head (zip directory and data.pkl, the
+safetensors header), which every loader reads first. The kernel caches whole pages, so the chunk of a
+neighbour that shares a page with a matched tensor comes too (else reading that page fetches it then).
+
+The attribute is not stored: setting it starts the plan and returns (EINVAL with a log line if the
+file has no tensor index or no tensor matches). Reading it back gives the plan's progress as JSON
+(`Plan.statistics()`); removing it stops the plan; setting it again replaces it. It is never listed.
+A plan pins at most fetch_concurrency chunks in the daemon's cache at a time: each is released once
+the kernel holds its pages, so a plan as large as the checkpoint keeps the daemon's memory bounded.
+"""
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass
+
+import trio
+
+from .errors import CpfsError
+from .manifest import Manifest
+from .pagecache import PageFeeder
+from .readahead import PAGE, Scheduler, layout_for
+from .tensor_index import TensorIndex
+
+log = logging.getLogger(__name__)
+
+XATTR = "user.cpfs.prefetch"
+KEPT = 64          # finished plans whose figures stay readable (the attribute, `cpfs stats`)
+
+
+class PlanError(CpfsError):
+    """A prefetch request that names nothing fetchable: bad text, no index, no matching tensor."""
+    errno = errno.EINVAL
+
+
+def parse_patterns(value: bytes) -> tuple[str, ...]:
+    """The tensor-name globs of an attribute value (lines or commas; blanks ignored)."""
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PlanError("the tensor names are not UTF-8") from None
+    patterns = tuple(dict.fromkeys(p.strip() for p in re.split(r"[\n,]", text) if p.strip()))
+    if not patterns:
+        raise PlanError("no tensor names given")
+    return patterns
+
+
+def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[str, ...]) -> tuple[list[int], int]:
+    """(chunk indices in loader order, tensors matched): the head, then each matched tensor's bytes
+    (a torch tensor's whole storage record, after the chunk of its zip header)."""
+    if index is None:
+        raise PlanError(f"{manifest.path}: no tensor index (not a torch or safetensors checkpoint)")
+    matched = [t for t in index.tensors if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]
+    if not matched:
+        raise PlanError(f"{manifest.path}: no tensor matches {', '.join(patterns)}")
+    layout = layout_for(manifest, index)
+    wanted: set[int] = set()
+    starts = set(index.record_starts())
+    head = [r for r in index.read_order() if r[0] not in starts]     # as layout_for's head
+    if index.format == "torch-zip":
+        records = {r.name.rsplit("/", 1)[-1]: r for r in index.records if "/data/" in r.name}
+        spans = {(r.offset, r.length) for t in matched if (r := records.get(t.storage_key)) is not None}
+    else:
+        spans = {(t.offset, t.length) for t in matched}
+    data: set[int] = set()              # chunks holding bytes of some storage (or tensor)
+    for u in layout.units:
+        data.update(range(u.first, u.last + 1))
+    for offset, length in [*head, *spans]:
+        if length <= 0 or offset >= manifest.size:
+            continue
+        # The kernel takes whole pages: a page the span shares with a neighbour comes with that chunk.
+        lo, hi = offset // PAGE * PAGE, min(manifest.size, -(-(offset + length) // PAGE) * PAGE)
+        wanted.update(manifest.chunk_range(lo, hi - lo))
+        if (offset, length) not in spans:
+            continue
+        chunks = manifest.chunk_range(offset, length)
+        # The record's zip header, when a chunk outside every record holds it (chunking.py usually
+        # cuts the header into a small chunk with the ends of both neighbours: then it is in `chunks`).
+        if index.format == "torch-zip" and chunks[0] > 0 and chunks[0] - 1 not in data:
+            wanted.add(chunks[0] - 1)
+    return [i for i in layout.plan if i in wanted], len(matched)
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    path: str
+    patterns: tuple[str, ...]
+    tensors: int            # tensors the patterns matched
+    chunks: int             # chunks that hold them (and the head)
+    bytes: int
+    fetched_chunks: int     # fetched by the plan (or found in the daemon's cache)
+    fetched_bytes: int
+    in_kernel_chunks: int   # already with the kernel when the plan reached them
+    failed_chunks: int      # no replica could be read (logged; a read of them reports the error)
+    done: bool
+    seconds: float          # since the plan started (until it ended, once done)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+class Plan:
+    """One declared prefetch of one version of a file. `run` in a nursery that outlives the request."""
+
+    def __init__(self, sched: Scheduler, inode: int, manifest: Manifest, index: TensorIndex | None,
+                 patterns: tuple[str, ...]) -> None:
+        self.sched = sched
+        self.inode = inode
+        self.m = manifest
+        self.patterns = patterns
+        self.chunks, self.tensors = chunks_for(manifest, index, patterns)
+        self.scope = trio.CancelScope()
+        self._started = trio.current_time()
+        self._ended: float | None = None
+        self._fetched = self._fetched_bytes = self._in_kernel = self._failed = 0
+
+    def statistics(self) -> PlanStats:
+        end = self._ended if self._ended is not None else trio.current_time()
+        return PlanStats(
+            path=self.m.path, patterns=self.patterns, tensors=self.tensors, chunks=len(self.chunks),
+            bytes=sum(self.m.chunks[i].raw_len for i in self.chunks), fetched_chunks=self._fetched,
+            fetched_bytes=self._fetched_bytes, in_kernel_chunks=self._in_kernel, failed_chunks=self._failed,
+            done=self._ended is not None, seconds=end - self._started)
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+    async def run(self) -> None:
+        """Fetch the chunks in loader order; each is pinned until the kernel holds it (or, without a
+        page-cache feeder, until fetched), so at most fetch_concurrency are in the daemon at once."""
+        feeder = self.sched.feeder(self.inode, self.m)
+        slots = trio.CapacityLimiter(self.sched.config.fetch_concurrency)
+        try:
+            with self.scope:
+                async with trio.open_nursery() as n:
+                    for i in self.chunks:
+                        if feeder is not None and i in feeder.sent:
+                            self._in_kernel += 1
+                            continue
+                        token = object()
+                        await slots.acquire_on_behalf_of(token)
+                        n.start_soon(self._one, i, feeder, slots, token)
+        finally:
+            self._ended = trio.current_time()
+            s = self.statistics()
+            log.info("%s: declared prefetch (%s) %s: %d tensors, %d of %d chunks fetched (%.1f MiB), %d already "
+                     "with the kernel, %d failed, %.2f s", self.m.path, ", ".join(self.patterns),
+                     "cancelled" if self.scope.cancelled_caught else "done", s.tensors, s.fetched_chunks,
+                     s.chunks, s.fetched_bytes / 2**20, s.in_kernel_chunks, s.failed_chunks, s.seconds)
+
+    async def _one(self, i: int, feeder: PageFeeder | None, slots: trio.CapacityLimiter, token: object) -> None:
+        entry = self.m.chunks[i]
+        cache = self.sched.cache
+        handed = False
+        try:
+            async with self.sched.limiter:         # shared with the readers' prefetch
+                # Pinned if the budget has room, else (the cache is full of readers' pins) not.
+                pinned = cache.reserve(entry.raw_len)
+                data = await self.sched.get_chunk(self.m, i, pin=pinned, demand=False, reserved=pinned)
+            self._fetched += 1
+            self._fetched_bytes += entry.raw_len
+            if feeder is not None:
+                pushed = trio.Event()
+
+                def landed() -> None:
+                    if pinned:
+                        cache.unpin(entry.digest)
+                    slots.release_on_behalf_of(token)
+                    pushed.set()
+                feeder.offer(i, data, landed)
+                handed = True
+                await pushed.wait()             # done means with the kernel (or refused by it)
+            elif pinned:
+                cache.unpin(entry.digest)
+        except Exception as e:                      # the pool logged which stores failed and why
+            self._failed += 1
+            log.debug("%s: declared prefetch of chunk %d failed: %s", self.m.path, i, e)
+        finally:
+            if not handed:
+                slots.release_on_behalf_of(token)

@@ -1,0 +1,117 @@
+"""Declared prefetch (cpfs/plan.py): a loader names the tensors it will read, and exactly their chunks
+are fetched at once. Without a mount here (fake stores, exact virtual time); through a real mount in
+test_partial_mount."""
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from cpfs.cache import ChunkCache
+from cpfs.plan import Plan, PlanError, chunks_for, parse_patterns
+from cpfs.readahead import Scheduler
+from test_readahead import CHUNK, FakeStore, Kernel, checkpoint, config, cut_checkpoint, fetched, make_file
+
+
+def test_patterns_are_lines_or_commas_and_bad_text_is_refused() -> None:
+    assert parse_patterns(b"layers.1.*\nembed.weight, lm_head.*\n\n") == ("layers.1.*", "embed.weight", "lm_head.*")
+    for bad in (b"", b" \n, ", b"\xff\xfe"):
+        with pytest.raises(PlanError):
+            parse_patterns(bad)
+
+
+def test_a_torch_plan_is_the_head_then_each_matched_storage_with_its_zip_header() -> None:
+    """Cut as chunking.py cuts a torch file: each record's zip header in a small chunk with the ends of
+    both neighbouring records; a plan takes the small chunks at both ends of a matched record."""
+    store = FakeStore()
+    m, _, index, headers = cut_checkpoint(store, tensors=8, length=768 * 1024)
+    chunks, n = chunks_for(m, index, ("t2", "t5"))
+    assert n == 2
+    head = [m.chunk_at(index.directory_offset), m.chunk_at(64)]        # zip directory, data.pkl
+    records = [index.records[1 + k] for k in (2, 5)]
+    want = [i for r in records for i in m.chunk_range(r.offset, r.length)]
+    assert chunks == head + want
+    assert all(m.chunk_at(headers[k]) in chunks for k in (2, 5))        # each record's zip header
+    assert len(want) == 6 and sum(m.chunks[i].raw_len for i in want) < 2 * 768 * 1024 + 4 * 25_000
+    with pytest.raises(PlanError, match="no tensor matches"):
+        chunks_for(m, index, ("layers.*",))
+    with pytest.raises(PlanError, match="no tensor index"):
+        chunks_for(m, None, ("t1",))
+
+
+def test_a_record_that_starts_a_chunk_brings_the_chunk_of_its_header_not_its_neighbour() -> None:
+    store = FakeStore()
+    m, _, index = checkpoint(store, tensors=4, per=2)   # records on chunk boundaries, no header chunks
+    chunks, _ = chunks_for(m, index, ("t2",))
+    assert chunks == [len(m.chunks) - 1, 0, 5, 6]       # not chunk 4: t1's data
+
+
+async def test_a_plan_fetches_its_chunks_in_parallel_into_the_page_cache_with_bounded_pins(autojump_clock):
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store, tensors=8, per=8)               # 66 chunks of 64 KiB
+    kernel = Kernel(len(data))
+    cache = ChunkCache(64 * CHUNK)
+    sched = Scheduler(cache, store.fetch, config(concurrency=4), on_chunk=kernel.push)
+    p = Plan(sched, 7, m, index, ("t1", "t6"))
+    peak_pinned = 0
+
+    async def watch() -> None:
+        nonlocal peak_pinned
+        while True:
+            peak_pinned = max(peak_pinned, cache.statistics().pinned)
+            await trio.sleep(0.001)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(watch)
+        t0 = trio.current_time()
+        await p.run()
+        await trio.testing.wait_all_tasks_blocked()
+        n.cancel_scope.cancel()
+    want = {0, len(m.chunks) - 1} | set(range(1 + 8, 1 + 16)) | set(range(1 + 48, 1 + 56))
+    assert sorted(fetched(store, m)) == sorted(want)                    # exactly those, each once
+    assert store.peak == 4                                              # fetch_concurrency at a time
+    assert trio.current_time() - t0 == pytest.approx(0.008 * len(want) / 4, abs=0.009)
+    assert peak_pinned <= 4 * CHUNK and cache.statistics().pinned == 0  # pins end as pushes land
+    for i in want - {len(m.chunks) - 1}:                                # the kernel holds their pages
+        lo, hi = m.offsets[i], m.offsets[i + 1]
+        assert all(pg in kernel.pages for pg in range(lo // 4096, hi // 4096))
+        assert bytes(kernel.data[lo:hi]) == data[lo:hi]
+    s = p.statistics()
+    assert (s.tensors, s.chunks, s.fetched_chunks, s.failed_chunks, s.done) == (2, len(want), len(want), 0, True)
+    assert s.fetched_bytes == s.bytes == len(want) * CHUNK
+
+
+async def test_a_plan_skips_what_the_kernel_holds_and_counts_chunks_no_store_gives(autojump_clock):
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store, tensors=4, per=4)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(), on_chunk=kernel.push)
+    async with trio.open_nursery() as n:
+        first = Plan(sched, 7, m, index, ("t0",))
+        await first.run()
+        await trio.testing.wait_all_tasks_blocked()
+        del store.blobs[m.chunks[1 + 4 + 2].digest]                     # a chunk of t1 no store has
+        second = Plan(sched, 7, m, index, ("t0", "t1"))
+        await second.run()
+        n.cancel_scope.cancel()
+    s = second.statistics()
+    assert s.in_kernel_chunks == 2 + 4                                  # the head and t0, pushed before
+    assert (s.fetched_chunks, s.failed_chunks) == (3, 1)
+
+
+async def test_cancelling_a_plan_stops_its_fetches_and_releases_its_pins(autojump_clock):
+    store = FakeStore(latency=0.008)
+    m, data = make_file(store, 4)
+    _, _, index = checkpoint(FakeStore(), tensors=1, per=2)
+    cache = ChunkCache(64 * CHUNK)
+    store.hang = {c.digest for c in m.chunks}
+    sched = Scheduler(cache, store.fetch, config())
+    p = Plan(sched, 7, m, index, ("t0",))
+    async with trio.open_nursery() as n:
+        n.start_soon(p.run)
+        await trio.sleep(1)
+        assert store.inflight > 0
+        p.cancel()
+    assert store.inflight == 0 and p.statistics().done
+    s = cache.statistics()
+    assert s.pinned == 0 and s.inflight == 0
