@@ -738,7 +738,9 @@ class CpfsOperations(pyfuse3.Operations):
         if key == plan.XATTR:
             if inode not in self.plans:
                 raise pyfuse3.FUSEError(errno.ENODATA)
-            self.plans.pop(inode).cancel()
+            old = self.plans.pop(inode)
+            old.cancel()
+            self.sched.declare(inode, old.m, None)
             return
         node = self.ns.node(inode)
         xattrs = self._xattrs(node)
@@ -751,12 +753,15 @@ class CpfsOperations(pyfuse3.Operations):
         if node.is_dir or node.summary is None or node.ino in self.writing:
             raise plan.PlanError(f"{node.path}: a declared prefetch needs a committed file")
         patterns = plan.parse_patterns(value)
-        p = plan.Plan(self.sched, node.ino, await self._manifest(node), node.index, patterns)
+        m = await self._manifest(node)
+        p = plan.Plan(self.sched, node.ino, m, node.index, patterns)
         old = self.plans.pop(node.ino, None)
         if old is not None:
             old.cancel()
+            self.sched.declare(node.ino, old.m, None)
+        self.sched.declare(node.ino, m, frozenset(p.chunks))
         for ino in [i for i, q in self.plans.items() if q.statistics().done][:max(0, len(self.plans) - plan.KEPT)]:
-            del self.plans[ino]                 # the oldest finished plans' figures go first
+            self.sched.declare(ino, self.plans.pop(ino).m, None)   # the oldest finished plans go first
         self.plans[node.ino] = p
         assert self.nursery is not None
         self.nursery.start_soon(p.run)

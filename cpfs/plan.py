@@ -10,9 +10,10 @@ The value is a list of tensor names, one per line (or comma-separated), each mat
 (`fnmatch.fnmatchcase`: `*` spans dots too). The mount then fetches the chunks that hold the matching
 tensors, at once and in parallel from every store (fetch_concurrency at a time, each chunk from its
 best replica), into the kernel's page cache, so the loader's reads and mmap faults find them there. A
-torch file's tensors are read as whole storages, so a match fetches its storage, plus the small chunk
-of the record's zip header; every plan also fetches the file's head (zip directory and data.pkl, the
-safetensors header), which every loader reads first. The kernel caches whole pages, so the chunk of a
+torch file's tensors are read as whole storages, so a match fetches its storage; torch.load reads the
+zip local header of every storage (also with mmap=True, also of tensors never used), so a torch plan
+fetches the small chunks that hold them; every plan also fetches the file's head (zip directory and
+data.pkl, the safetensors header), which every loader reads first. The kernel caches whole pages, so the chunk of a
 neighbour that shares a page with a matched tensor comes too (else reading that page fetches it then).
 
 The attribute is not stored: setting it starts the plan and returns (EINVAL with a log line if the
@@ -20,6 +21,9 @@ file has no tensor index or no tensor matches). Reading it back gives the plan's
 (`Plan.statistics()`); removing it stops the plan; setting it again replaces it. It is never listed.
 A plan pins at most fetch_concurrency chunks in the daemon's cache at a time: each is released once
 the kernel holds its pages, so a plan as large as the checkpoint keeps the daemon's memory bounded.
+While a file's plan stands (done or not, until removed or replaced), its readers prefetch nothing
+outside it (`Scheduler.declare`): the declaration replaces the readahead's guesses, which ran past the
+declared tensors, and what a loader reads beyond it is fetched on demand.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import trio
 
+from .chunking import LEAD, TAIL
 from .errors import CpfsError
 from .manifest import Manifest
 from .pagecache import PageFeeder
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 
 XATTR = "user.cpfs.prefetch"
 KEPT = 64          # finished plans whose figures stay readable (the attribute, `cpfs stats`)
+HEADER_CHUNK_MAX = 4 * (LEAD + TAIL)    # a chunk this small holding a zip header comes with any torch plan
 
 
 class PlanError(CpfsError):
@@ -62,8 +68,8 @@ def parse_patterns(value: bytes) -> tuple[str, ...]:
 
 
 def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[str, ...]) -> tuple[list[int], int]:
-    """(chunk indices in loader order, tensors matched): the head, then each matched tensor's bytes
-    (a torch tensor's whole storage record, after the chunk of its zip header)."""
+    """(chunk indices in loader order, tensors matched): the head, each matched tensor's bytes (a torch
+    tensor's whole storage record) and, in a torch file, the chunks of the zip headers."""
     if index is None:
         raise PlanError(f"{manifest.path}: no tensor index (not a torch or safetensors checkpoint)")
     matched = [t for t in index.tensors if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]
@@ -87,13 +93,18 @@ def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[st
         # The kernel takes whole pages: a page the span shares with a neighbour comes with that chunk.
         lo, hi = offset // PAGE * PAGE, min(manifest.size, -(-(offset + length) // PAGE) * PAGE)
         wanted.update(manifest.chunk_range(lo, hi - lo))
-        if (offset, length) not in spans:
-            continue
-        chunks = manifest.chunk_range(offset, length)
-        # The record's zip header, when a chunk outside every record holds it (chunking.py usually
-        # cuts the header into a small chunk with the ends of both neighbours: then it is in `chunks`).
-        if index.format == "torch-zip" and chunks[0] > 0 and chunks[0] - 1 not in data:
-            wanted.add(chunks[0] - 1)
+    if index.format == "torch-zip":
+        # torch.load reads the zip local header of every storage in data.pkl, the ones never used too
+        # (mmap=True as well): the chunk holding the bytes before a record's data comes if it is that
+        # header's own: outside every record, or a small one reaching into the record (chunking.py cuts
+        # a big record's header into a chunk of ~LEAD + TAIL bytes). A header among small records
+        # shares a chunk with their data, and is read on demand.
+        for r in index.records:
+            if "/data/" in r.name and 0 < r.offset < manifest.size:
+                i = manifest.chunk_at(r.offset - 1)
+                own = i not in data or manifest.offsets[i + 1] > r.offset
+                if own and manifest.chunks[i].raw_len <= HEADER_CHUNK_MAX:
+                    wanted.add(i)
     return [i for i in layout.plan if i in wanted], len(matched)
 
 

@@ -191,6 +191,7 @@ class Scheduler:
         self._inflight = self._peak = 0
         self._fetched = self._prefetched = self._used = self._wasted = 0
         self._feeders: dict[tuple[int, int], PageFeeder] = {}
+        self._declared: dict[tuple[int, int], frozenset[int]] = {}
         self._readers: set[FileReader] = set()
         self._closed: deque[FileStats] = deque(maxlen=RECENT_FILES)
 
@@ -203,6 +204,19 @@ class Scheduler:
         if key not in self._feeders:
             self._feeders[key] = PageFeeder(manifest, inode, self.on_chunk, self.cache)
         return self._feeders[key]
+
+    def declare(self, inode: int, manifest: Manifest, chunks: frozenset[int] | None) -> None:
+        """The chunks a loader declared it will read (cpfs/plan.py), or None to drop the declaration.
+        While a version of a file has one, its readers prefetch nothing outside it: the declaration
+        replaces the readahead's guesses, and reads of anything else are fetched on demand."""
+        key = (inode, manifest.version)
+        if chunks is None:
+            self._declared.pop(key, None)
+        else:
+            self._declared[key] = chunks
+
+    def declared(self, inode: int, manifest: Manifest) -> frozenset[int] | None:
+        return self._declared.get((inode, manifest.version))
 
     def statistics(self) -> SchedulerStats:
         pushed = sum(f.pushes for f in self._feeders.values())
@@ -379,6 +393,9 @@ class FileReader:
             dist = pref[self.cursor + 1] - base
             if dist > self.window and self.cursor > self.last + 1:
                 break
+            if not self._may_prefetch(i):
+                self.cursor += 1
+                continue
             # Room is left for the chunk the reader is in, so prefetch never evicts it mid-read.
             size = self.m.chunks[i].raw_len
             if not self._have(i) and not self.sched.cache.room(size + keep):
@@ -396,6 +413,11 @@ class FileReader:
             if hold and self.marker is None:
                 self.marker = i
             self.cursor += 1
+
+    def _may_prefetch(self, i: int) -> bool:
+        """False for a chunk outside the file's declared prefetch, if it has one (Scheduler.declare)."""
+        declared = self.sched.declared(self.inode, self.m)
+        return declared is None or i in declared
 
     def _start_prefetch(self, i: int, hold: bool = False) -> None:
         assert self._nursery is not None
@@ -670,6 +692,8 @@ class FileReader:
         """Fetch chunks [start, u.last] at once; the last one held."""
         for i in range(start, u.last + 1):
             hold = i == u.last
+            if not self._may_prefetch(i):
+                continue
             if not self._take(i, hold=hold):
                 if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
                     return
@@ -689,7 +713,7 @@ class FileReader:
             lo = v.offset + int(at * v.length)
             hi = max(lo + 1, v.offset + int((at + self.slice_len) * v.length))
             for j, i in enumerate(self.m.chunk_range(lo, min(hi, v.offset + v.length) - lo)):
-                if self._take(i, hold=j == 0):
+                if not self._may_prefetch(i) or self._take(i, hold=j == 0):
                     continue
                 if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
                     return

@@ -20,19 +20,22 @@ def test_patterns_are_lines_or_commas_and_bad_text_is_refused() -> None:
             parse_patterns(bad)
 
 
-def test_a_torch_plan_is_the_head_then_each_matched_storage_with_its_zip_header() -> None:
+def test_a_torch_plan_is_the_head_every_zip_header_and_each_matched_storage() -> None:
     """Cut as chunking.py cuts a torch file: each record's zip header in a small chunk with the ends of
-    both neighbouring records; a plan takes the small chunks at both ends of a matched record."""
+    both neighbouring records. A plan takes the matched records whole, and the small chunk of every
+    record's header (torch.load reads them all), nothing else."""
     store = FakeStore()
     m, _, index, headers = cut_checkpoint(store, tensors=8, length=768 * 1024)
     chunks, n = chunks_for(m, index, ("t2", "t5"))
     assert n == 2
     head = [m.chunk_at(index.directory_offset), m.chunk_at(64)]        # zip directory, data.pkl
     records = [index.records[1 + k] for k in (2, 5)]
-    want = [i for r in records for i in m.chunk_range(r.offset, r.length)]
-    assert chunks == head + want
-    assert all(m.chunk_at(headers[k]) in chunks for k in (2, 5))        # each record's zip header
-    assert len(want) == 6 and sum(m.chunks[i].raw_len for i in want) < 2 * 768 * 1024 + 4 * 25_000
+    data = {i for r in records for i in m.chunk_range(r.offset, r.length)}
+    small = {m.chunk_at(h) for h in headers}
+    assert chunks == head + sorted((data | small) - set(head))
+    assert len(data) == 6 and all(m.chunks[i].raw_len < 25_000 for i in small)
+    big = {i for i in range(len(m.chunks)) if m.chunks[i].raw_len > 100_000}
+    assert big & set(chunks) == big & data == {5, 11}                   # of the big chunks, t2's and t5's
     with pytest.raises(PlanError, match="no tensor matches"):
         chunks_for(m, index, ("layers.*",))
     with pytest.raises(PlanError, match="no tensor index"):
@@ -115,3 +118,31 @@ async def test_cancelling_a_plan_stops_its_fetches_and_releases_its_pins(autojum
     assert store.inflight == 0 and p.statistics().done
     s = cache.statistics()
     assert s.pinned == 0 and s.inflight == 0
+
+
+async def test_a_declared_file_is_prefetched_only_within_its_declaration(autojump_clock):
+    """A reader of tensors t1 to t4 in loader order, through the page cache, with only t1 and t2
+    declared: the readahead prefetches nothing of t3 and t4 (their chunks come on demand, one read at a
+    time); undeclared, its stream prefetches them ahead of the reader."""
+    prefetched = {}
+    for declare in (False, True):
+        store = FakeStore(latency=0.008)
+        m, data, index = checkpoint(store, tensors=8, per=8)
+        kernel = Kernel(len(data))
+        sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=16 * CHUNK), on_chunk=kernel.push)
+        chunks, _ = chunks_for(m, index, ("t1", "t2"))
+        if declare:
+            sched.declare(7, m, frozenset(chunks))
+        async with trio.open_nursery() as n:
+            reader = await sched.open(n, m, index, 7)
+            lo, hi = index.tensors[1].offset, index.tensors[4].offset + index.tensors[4].length
+            for off in range(lo, hi, 16 * 1024):
+                assert await kernel.read(reader, off, 16 * 1024) == data[off:off + 16 * 1024]
+            await reader.aclose()
+        s = sched.statistics()
+        prefetched[declare] = s.prefetches
+        if declare:
+            outside = {i for i in fetched(store, m) if i not in chunks}
+            assert outside == set(range(1 + 24, 1 + 40))         # t3 and t4, each chunk once...
+            assert s.demand_fetches >= len(outside)              # ... on demand
+    assert prefetched[True] < prefetched[False] - 8
