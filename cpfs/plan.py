@@ -9,12 +9,14 @@ each tensor only as its reads arrive. A loader that knows what it will read says
 The value is a list of tensor names, one per line (or comma-separated), each matched as a glob
 (`fnmatch.fnmatchcase`: `*` spans dots too). The mount then fetches the chunks that hold the matching
 tensors, at once and in parallel from every store (fetch_concurrency at a time, each chunk from its
-best replica), into the kernel's page cache, so the loader's reads and mmap faults find them there. A
-torch file's tensors are read as whole storages, so a match fetches its storage; torch.load reads the
-zip local header of every storage (also with mmap=True, also of tensors never used), so a torch plan
-fetches the small chunks that hold them; every plan also fetches the file's head (zip directory and
-data.pkl, the safetensors header), which every loader reads first. The kernel caches whole pages, so the chunk of a
-neighbour that shares a page with a matched tensor comes too (else reading that page fetches it then).
+best replica), into the kernel's page cache, so the loader's reads and mmap faults find them there.
+- A torch file's tensors are read as whole storages: a match fetches its storage record.
+- torch.load reads the zip local header of every storage (also with mmap=True, also of tensors never
+  used): a torch plan fetches the small chunks that hold them.
+- Every plan fetches the file's head (zip directory and data.pkl, the safetensors header), which every
+  loader reads first.
+- The kernel caches whole pages: the chunk of a neighbour that shares a page with a matched tensor comes
+  too (else reading that page would fetch it then, a round trip later).
 
 The attribute is not stored: setting it starts the plan and returns (EINVAL with a log line if the
 file has no tensor index or no tensor matches). Reading it back gives the plan's progress as JSON

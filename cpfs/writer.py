@@ -24,6 +24,11 @@ page-cache pages for every byte, and disk writes once dirty pages passed ~10% of
 span is recorded as away before it is punched, and is copied back from the stores, like a base
 chunk, if the writer reads or changes it; reads and punches of one range exclude each other.
 
+Backpressure. A writer in file order that outruns the stores fills the staging disk. A write that
+finds it full (ENOSPC) waits, without the session lock, for write-behind's next step (an upload, a
+scan or a drop ending), then tries again; it fails with ENOSPC only when write-behind can free nothing
+(the file is not written in order, a record larger than the staging disk) or takes no step in ROOM_WAIT.
+
 Base versions. Opened without O_TRUNC, a session starts from the committed version. Base chunks are
 fetched into the staging file only when a read or a partial overwrite needs their bytes, and chunks the
 new layout keeps unchanged are committed by reference, never read. Write-behind is off for such
@@ -283,7 +288,7 @@ class WriteSession:
         """Whether write-behind may still free staging room for a write that found it full: a span is
         being stored or scanned, one is ready to store, or stored ones are ready to drop. Not when the
         file is not written in order (nothing is stored before flush) or staging cannot punch holes."""
-        if not (self._streaming and self._can_drop) or self._paused or self._stream_error is not None:
+        if not (self._streaming and self._can_drop) or self._stream_error is not None:
             return False
         scanner = self._scanner
         return bool(self._background or self._ready_span() is not None
