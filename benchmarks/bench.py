@@ -416,7 +416,7 @@ def case_partial(ctx: Ctx) -> list[Row]:
     def speedup(r: dict) -> dict[str, str]:
         """A declared load's time against the same load undeclared (same run)."""
         base = plain.get((r["fmt"], r["case"])) if r.get("declared") else None
-        return {"vs undeclared": f"{base / r['seconds']:.2f}x faster"} if base and r["seconds"] else {}
+        return {"speed vs undeclared": f"{base / r['seconds']:.2f}x"} if base and r["seconds"] else {}
 
     return [Row("partial", f"{r['fmt']} {r.get('name', r['case'])}", r["seconds"],
                 r["fetched"] / r["read"] if r["read"] else None,
