@@ -27,7 +27,8 @@ chunk, if the writer reads or changes it; reads and punches of one range exclude
 Backpressure. A writer in file order that outruns the stores fills the staging disk. A write that
 finds it full (ENOSPC) waits, without the session lock, for write-behind's next step (an upload, a
 scan or a drop ending), then tries again; it fails with ENOSPC only when write-behind can free nothing
-(the file is not written in order, a record larger than the staging disk) or takes no step in ROOM_WAIT.
+(the file is not written in order, a record larger than the staging disk), or, with no upload or scan
+running, takes no step in ROOM_WAIT (a running upload is bounded by the store's timeout).
 
 Base versions. Opened without O_TRUNC, a session starts from the committed version. Base chunks are
 fetched into the staging file only when a read or a partial overwrite needs their bytes, and chunks the
@@ -263,16 +264,16 @@ class WriteSession:
             async with self._lock:
                 self._file.check_open()
                 self._check_poisoned()
+                room = self._room.next()            # before the attempt: a step during it is not missed
                 try:
                     if self._away:
                         await self._before_change(offset, end)
                     await self._file.pwrite(data, offset)
                 except StagingError as e:
-                    if e.errno != errno.ENOSPC or not self._room_may_come():
+                    if e.errno != errno.ENOSPC or not (room.is_set() or self._room_may_come()):
                         self._poison(f"write of {len(data)} bytes at {offset}", e)
                         raise
                     self._changed(offset, end)      # some of it may have landed: not stored as it is
-                    room = self._room.next()
                 except BaseException as e:
                     self._poison(f"write of {len(data)} bytes at {offset}", e)
                     raise
@@ -299,19 +300,27 @@ class WriteSession:
         """Backpressure: the staging disk is full and write-behind is behind the writer. The write waits,
         without the lock (write-behind's drops take it), for write-behind's next step, then tries again.
         Only writes still in flight can land meanwhile, and any order of those is one the writer allowed.
-        A step that takes longer than ROOM_WAIT fails the write (ENOSPC) instead of holding it."""
+        While an upload or scan runs, the write waits for it (the store's timeout bounds each request;
+        a failed upload ends write-behind, and the next try fails); with none running, a step that does
+        not come within ROOM_WAIT fails the write (ENOSPC) instead of holding it."""
         self._room_waits += 1
         if self._room_waits == 1 or self._room_waits % 100 == 0:
             log.info("%s: staging is full at offset %d (+%d); the write waits for write-behind to store "
                      "and drop chunks (%d waits so far)", self.path, offset, length, self._room_waits)
         try:
-            with trio.fail_after(ROOM_WAIT):
-                await room.wait()
-        except trio.TooSlowError:
-            e = StagingError(f"{self.path}: staging file {self._file.path} is full and write-behind freed "
-                             f"nothing in {ROOM_WAIT:.0f} s (write at {offset}, {length} bytes)", errno.ENOSPC)
-            self._poison(f"write of {length} bytes at {offset}", e)
-            raise e from None
+            while not room.is_set():
+                with trio.move_on_after(ROOM_WAIT):
+                    await room.wait()
+                if room.is_set():
+                    break
+                if self._background:
+                    log.warning("%s: a write at %d has waited %.0f s for staging room; %d uploads and scans "
+                                "of write-behind still run", self.path, offset, ROOM_WAIT, self._background)
+                    continue
+                e = StagingError(f"{self.path}: staging file {self._file.path} is full and write-behind took "
+                                 f"no step in {ROOM_WAIT:.0f} s (write at {offset}, {length} bytes)", errno.ENOSPC)
+                self._poison(f"write of {length} bytes at {offset}", e)
+                raise e
         except BaseException as e:      # interrupted: part of the write may have landed
             self._poison(f"write of {length} bytes at {offset}", e)
             raise
