@@ -134,10 +134,12 @@ def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(ma
     assert all(torch.equal(got[k], tensors[k]) for k in wanted)
     _, doc = fetched_bytes(m, cfg)
     # Every page of the declared tensors is with the kernel: the load's reads reach the daemon only for
-    # the file's metadata and for pages the kernel dropped since (this VM's host reclaims cold pages).
+    # the file's metadata and for pages the kernel dropped since (this VM's host reclaims cold pages; a
+    # read of one such page brings up to read_ahead_kb, 1 MiB, of kernel readahead: a CI run saw 0.69
+    # MiB). Undeclared, the daemon serves all of it.
     served = sum(f["read_bytes"] for f in doc["scheduler"]["files"] if f["path"] == f"/model.{fmt}")
     print(f"the daemon served {served / MiB:.2f} MiB of the {nbytes / MiB:.1f} MiB loaded")
-    assert served <= 0.05 * nbytes
+    assert served <= 0.25 * nbytes
 
     assert "user.cpfs.prefetch" not in os.listxattr(path)
     assert cpfs("log", f"model.{fmt}", config=cfg).stdout == versions
