@@ -760,7 +760,7 @@ class CpfsOperations(pyfuse3.Operations):
             old.cancel()
             self.sched.declare(node.ino, old.m, None)
         self.sched.declare(node.ino, m, frozenset(p.chunks))
-        for ino in [i for i, q in self.plans.items() if q.statistics().done][:max(0, len(self.plans) - plan.KEPT)]:
+        for ino in [i for i, q in self.plans.items() if q.done][:max(0, len(self.plans) - plan.KEPT)]:
             self.sched.declare(ino, self.plans.pop(ino).m, None)   # the oldest finished plans go first
         self.plans[node.ino] = p
         assert self.nursery is not None

@@ -138,6 +138,7 @@ class Plan:
         self.m = manifest
         self.patterns = patterns
         self.chunks, self.tensors = chunks_for(manifest, index, patterns)
+        self._bytes = sum(manifest.chunks[i].raw_len for i in self.chunks)
         self.scope = trio.CancelScope()
         self._started = trio.current_time()
         self._ended: float | None = None
@@ -147,9 +148,13 @@ class Plan:
         end = self._ended if self._ended is not None else trio.current_time()
         return PlanStats(
             path=self.m.path, patterns=self.patterns, tensors=self.tensors, chunks=len(self.chunks),
-            bytes=sum(self.m.chunks[i].raw_len for i in self.chunks), fetched_chunks=self._fetched,
+            bytes=self._bytes, fetched_chunks=self._fetched,
             fetched_bytes=self._fetched_bytes, in_kernel_chunks=self._in_kernel, failed_chunks=self._failed,
             done=self._ended is not None, seconds=end - self._started)
+
+    @property
+    def done(self) -> bool:
+        return self._ended is not None
 
     def cancel(self) -> None:
         self.scope.cancel()
