@@ -11,7 +11,7 @@ flight, which `statistics().peak_used` makes visible.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -154,6 +154,44 @@ class ChunkCache:
         flight.data = data
         self._land(key, size, flight)
         return data
+
+    def absent(self, key: str) -> bool:
+        """Neither cached nor being loaded: what `load_many` may load."""
+        return key not in self._entries and key not in self._flights
+
+    async def load_many(self, items: Sequence[tuple[str, int]],
+                        loader: Callable[[], Awaitable[Sequence[bytes | Exception]]], *,
+                        pin: bool = False, reserved: bool = False) -> list[bytes | Exception]:
+        """Load several absent chunks ((key, size) pairs, distinct) with one loader call that returns
+        them in order, an exception in the place of one that failed. Single-flight as `get`: a `get` of
+        any of them meanwhile waits for this load. pin and reserved as for `get`, for every chunk."""
+        flights = []
+        for key, size in items:
+            assert self.absent(key), key
+            if reserved:
+                self._reserved -= size
+            flight = self._flights[key] = _Flight()
+            flight.pins = int(pin)
+            self._misses += 1
+            self._inflight += size
+            flights.append(flight)
+        self._evict()
+        self._note_peak()
+        try:
+            got = await loader()
+        except BaseException as e:
+            for (key, size), flight in zip(items, flights):
+                if isinstance(e, Exception):
+                    flight.error = e
+                self._land(key, size, flight)
+            raise
+        for (key, size), flight, data in zip(items, flights, got):
+            if isinstance(data, Exception):
+                flight.error = data
+            else:
+                flight.data = data
+            self._land(key, size, flight)
+        return list(got)
 
     def _land(self, key: str, size: int, flight: _Flight) -> None:
         self._inflight -= size

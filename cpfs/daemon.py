@@ -185,7 +185,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     buffers.POOL.max_bytes = min(config.cache_memory // 2, config.readahead_max * 5 // 4 + config.fetch_concurrency
                                  * buffers.size_class(config.chunk_size + chunkfmt.HEADER_SIZE))
     pusher = Pusher() if config.notify_store else None
-    sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher)
+    sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher, fetch_many=pool.fetch_chunks)
     staging = await trio.to_thread.run_sync(prepare_staging, config)
     ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"} | mount_options(config)

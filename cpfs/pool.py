@@ -13,6 +13,9 @@ The pool holds replica policy, nothing about any one kind of store:
   the next replica, the first answer wins and the other is cancelled; at most `hedges` in flight.
   A read cancelled that way counts twice its elapsed time as a latency sample, so a hung or
   straggling store sinks in the ranking instead of costing a hedge delay on every read;
+- prefetch batches of small chunks (`fetch_chunks`) are read with one request per store that holds
+  several of them (`Store.get_many_with`), not hedged; what a batch does not bring goes through the
+  replica iterator chunk by chunk;
 - writes go through one fan-out with quorum (`_put_quorum`). With `write_quorum` < the targets, a write
   returns once the quorum holds the data (manifests too: see `_put_quorum`); the other puts go on in
   `run()`'s nursery as *background puts*, bounded (BACKGROUND_BYTES of blobs, BACKGROUND_WRITES writes:
@@ -96,6 +99,8 @@ class ReplicaStats:
     background_failed: int    # ... that failed (retried once by the repair queue, else left to scrub)
     background_abandoned: int  # ... cancelled when the shutdown grace ran out (scrub completes them)
     background_waits: int     # writes that waited for room (BACKGROUND_BYTES/WRITES) before returning
+    batch_reads: int = 0      # batch requests of fetch_chunks (one store, several chunks)...
+    batched: int = 0          # ... and the chunks they asked for (counted in `reads` too)
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,17 @@ class _Health:
         return StoreHealth(name=name, up=self.up, reason=self.reason, failures_in_a_row=self.in_a_row,
                            retries=self.retries, timeouts=self.timeouts, marked_down=self.marked_down,
                            probes=self.probes, repairs=self.repairs)
+
+
+def _decoder(digest: str) -> Callable[[bytes | memoryview], tuple[bytes | memoryview | CorruptChunk, bytes | memoryview]]:
+    """The `get_with` fn of a chunk read: (raw bytes, blob), in the store's read thread. A corrupt blob
+    is an answer, not a failure of the store: its CorruptChunk is returned."""
+    def decode(blob: bytes | memoryview) -> tuple[bytes | memoryview | CorruptChunk, bytes | memoryview]:
+        try:
+            return chunkfmt.decode(blob, digest), blob
+        except CorruptChunk as e:
+            return e, blob
+    return decode
 
 
 class StorePool:
@@ -153,6 +169,7 @@ class StorePool:
         self._reads = self._fallbacks = self._hedges = self._hedges_won = 0
         self._hedging = self._hedges_skipped = 0
         self._touched = 0
+        self._batch_reads = self._batched = 0
         self._background: trio.Nursery | None = None   # run()'s, while it runs: where writes leave puts
         self._bg_limit = background_bytes
         self._shutdown_grace = shutdown_grace
@@ -174,7 +191,8 @@ class StorePool:
                             touched=self._touched, explored=self._explored, background_puts=self._bg_puts,
                             background_bytes=self._bg_bytes, background_done=self._bg_done,
                             background_failed=self._bg_failed, background_abandoned=self._bg_abandoned,
-                            background_waits=self._bg_waits)
+                            background_waits=self._bg_waits, batch_reads=self._batch_reads,
+                            batched=self._batched)
 
     def health(self) -> list[StoreHealth]:
         return [self._health[n].snapshot(n) for n in self.names]
@@ -743,14 +761,7 @@ class StorePool:
         failures: list[str] = []
         damaged: list[str] = []             # replicas that are corrupt or missing: to repair
         blobs: dict[str, bytes | memoryview] = {}
-
-        def decode(blob: bytes | memoryview) -> tuple[bytes | memoryview | CorruptChunk, bytes | memoryview]:
-            """(raw bytes, blob), in the store's read thread (`Store.get_with`: one hand-off per chunk).
-            A corrupt blob is an answer, not a failure of the store: its CorruptChunk is returned."""
-            try:
-                return chunkfmt.decode(blob, entry.digest), blob
-            except CorruptChunk as e:
-                return e, blob
+        decode = _decoder(entry.digest)
 
         async def read(name: str) -> bytes | memoryview:
             try:
@@ -790,6 +801,64 @@ class StorePool:
         raise ChunkUnavailable(f"{where}: no replica of chunk {entry.digest[:16]} could be read "
                                f"(stores {', '.join([*entry.stores, *placed])}): "
                                f"{'; '.join(failures) or 'no known store'}")
+
+    async def fetch_chunks(self, entries: Sequence[ChunkEntry],
+                           wheres: Sequence[str]) -> list[bytes | memoryview | Exception]:
+        """`fetch_chunk` of each entry, in order, with the exception (ChunkUnavailable) in the place of
+        a chunk that cannot be read. For prefetches of many small chunks (a zip header between two
+        tensors, a tensor of a few hundred KiB): the chunks a store holds are read from it in one batch
+        request (`Store.get_many_with`: for a folder store, one worker thread hand-off instead of one,
+        plus a task, a nursery and a channel, per chunk); the store is the best-ranked one that holds
+        the most of them. A batch is not hedged: it is as big as one large chunk, whose read is not
+        hedged either when it only queues. Whatever a batch does not bring (a missing or corrupt
+        replica, a store that fails) and a chunk alone in its batch go through `fetch_chunk`: replicas,
+        hedges and read repair as for any read."""
+        results: list[bytes | memoryview | Exception | None] = [None] * len(entries)
+        left = [k for k, e in enumerate(entries) if e.stores]
+        batches: list[tuple[str, list[int]]] = []
+        while len(left) > 1:
+            order = self.rank(sorted({n for k in left for n in entries[k].stores}))
+            up = [n for n in order if self._health[n].up]
+            if not up:
+                break
+            name = max(up, key=lambda n: (sum(n in entries[k].stores for k in left), -up.index(n)))
+            ks = [k for k in left if name in entries[k].stores]
+            if len(ks) < 2:
+                break
+            batches.append((name, ks))
+            left = [k for k in left if name not in entries[k].stores]
+
+        async def batch(name: str, ks: list[int]) -> None:
+            reads = [(chunkfmt.chunk_key(entries[k].digest), _decoder(entries[k].digest)) for k in ks]
+            self._reads += len(ks)
+            self._batch_reads += 1
+            self._batched += len(ks)
+            try:
+                answers = await self._call(name, f"get {len(ks)} chunks",
+                                           lambda s: s.get_many_with(reads, self.cpu))
+            except StoreError as e:
+                log.warning("%s and %d more: batch read on store %r failed: %s", wheres[ks[0]], len(ks) - 1, name, e)
+                return
+            for k, answer in zip(ks, answers):
+                entry = entries[k]
+                if isinstance(answer, StoreError):
+                    log.warning("%s: replica failed %s on store %r: %s", wheres[k], entry.digest[:16], name, answer)
+                    continue
+                raw = answer[0]
+                if isinstance(raw, CorruptChunk):
+                    self._suspect(name, entry.digest)
+                    log.warning("%s: corrupt replica %s on store %r: %s", wheres[k], entry.digest[:16], name, raw)
+                elif len(raw) == entry.raw_len:
+                    results[k] = raw
+
+        async with trio.open_nursery() as n:
+            for name, ks in batches:
+                n.start_soon(batch, name, ks)
+        rest = [k for k, r in enumerate(results) if r is None]
+        alone = await fan_out(lambda k: self.fetch_chunk(entries[k], wheres[k]), rest, catch=Exception)
+        for k, r in zip(rest, alone.outcomes(rest)):
+            results[k] = r
+        return results  # type: ignore[return-value]  # every None replaced
 
     async def _copy_state(self, name: str, key: str, enc: chunkfmt.EncodedChunk) -> str:
         """"good", "missing" or "bad": the copy of the chunk on store `name`, checked against the blob in

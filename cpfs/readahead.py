@@ -39,6 +39,10 @@ Prefetched chunks stay pinned in the cache until consumed (read, passed by the s
 kernel), and a prefetch starts only if the window and the cache budget have room, so prefetch never
 evicts what the reader is about to read. Demand reads bypass the prefetch limiter, so they never queue
 behind prefetch. Closing the file cancels its prefetch.
+Prefetches started in one go (a window's worth, a tensor at a landing) are fetched in *batches* of up to
+chunk_size bytes: one task and one fetch slot per batch, and one store request for the chunks of a batch
+a store holds (`fetch_many`, StorePool.fetch_chunks). A file of many small pieces (1 MiB tensors, the
+zip-header chunks between them) then costs about what one of large chunks costs per byte.
 
 Each reader counts bytes read, bytes fetched for it, and prefetched bytes used and wasted (`FileStats`,
 in `Scheduler.statistics().files`, open files and the last closed ones). "Used" means read through the
@@ -50,8 +54,8 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import trio
 
@@ -59,11 +63,14 @@ from .cache import ChunkCache
 from .config import Config
 from .manifest import ChunkEntry, Manifest
 from .pagecache import PageFeeder, Push
+from .sync import fan_out
 from .tensor_index import TensorIndex
 
 log = logging.getLogger(__name__)
 
 Fetch = Callable[[ChunkEntry, str], Awaitable[bytes]]
+# Several chunks at once, in order, an exception in the place of one that failed (StorePool.fetch_chunks).
+FetchMany = Callable[[Sequence[ChunkEntry], Sequence[str]], Awaitable[Sequence[bytes | memoryview | Exception]]]
 RECENT_FILES = 16          # closed files whose statistics stay visible
 SLICE_TOLERANCE = 0.01     # landings this close (as a fraction of their tensors) are the same slice
 SLICE_AHEAD = 4            # tensors whose predicted slice is fetched ahead
@@ -180,9 +187,11 @@ def plan_for(manifest: Manifest, index: TensorIndex | None) -> list[int] | None:
 class Scheduler:
     """Shared by every open file of a mount: the fetch limiter, the counters, the task owner."""
 
-    def __init__(self, cache: ChunkCache, fetch: Fetch, config: Config, on_chunk: Push | None = None) -> None:
+    def __init__(self, cache: ChunkCache, fetch: Fetch, config: Config, on_chunk: Push | None = None,
+                 fetch_many: FetchMany | None = None) -> None:
         self.cache = cache
         self.fetch = fetch
+        self.fetch_many = fetch_many or self._fetch_each
         self.config = config
         self.on_chunk = on_chunk
         self.limiter = trio.CapacityLimiter(config.fetch_concurrency)
@@ -259,6 +268,67 @@ class Scheduler:
 
         return await self.cache.get(entry.digest, entry.raw_len, load, pin=pin, reserved=reserved)
 
+    async def prefetch_chunks(self, manifest: Manifest, indices: Sequence[int],
+                              owner: "FileReader | None" = None) -> list[bytes | memoryview | Exception]:
+        """`get_chunk(pin=True, demand=False, reserved=True)` of each chunk, in order, with the exception
+        in the place of one that failed: a prefetch batch. The chunks neither cached nor in flight are
+        fetched with one `fetch_many` call (one batch request per store), the others as `get_chunk`."""
+        results: list[bytes | memoryview | Exception | None] = [None] * len(indices)
+        fresh: list[int] = []
+        digests: set[str] = set()
+        for k, i in enumerate(indices):
+            digest = manifest.chunks[i].digest
+            if digest not in digests and self.cache.absent(digest):
+                fresh.append(k)
+                digests.add(digest)
+        entries = [manifest.chunks[indices[k]] for k in fresh]
+
+        async def load() -> Sequence[bytes | memoryview | Exception]:
+            self._inflight += len(entries)
+            self._peak = max(self._peak, self._inflight)
+            wheres = [f"file {manifest.path} offset {manifest.offsets[indices[k]]} chunk {indices[k]} "
+                      f"({e.digest[:16]})" for k, e in zip(fresh, entries)]
+            try:
+                got = await self.fetch_many(entries, wheres)
+            finally:
+                self._inflight -= len(entries)
+            nbytes = sum(e.raw_len for e, g in zip(entries, got) if not isinstance(g, Exception))
+            self._fetched += nbytes
+            if owner is not None:
+                owner.fetched += nbytes
+            return got
+
+        others = sorted(set(range(len(indices))) - set(fresh))
+
+        async def join_others() -> None:
+            out = await fan_out(lambda k: self.get_chunk(manifest, indices[k], pin=True, demand=False, reserved=True,
+                                                         owner=owner), others, catch=Exception)
+            for k, r in zip(others, out.outcomes(others)):
+                results[k] = r
+
+        async with trio.open_nursery() as n:
+            n.start_soon(join_others)        # starts once load_many below has made its flights
+            if entries:
+                got = await self.cache.load_many([(e.digest, e.raw_len) for e in entries], load,
+                                                 pin=True, reserved=True)
+                for k, g in zip(fresh, got):
+                    results[k] = g
+        return results  # type: ignore[return-value]  # every None replaced
+
+    async def _fetch_each(self, entries: Sequence[ChunkEntry],
+                          wheres: Sequence[str]) -> list[bytes | memoryview | Exception]:
+        """`fetch_many` without a batch fetch: `fetch` of each, all at once."""
+        ks = range(len(entries))
+        out = await fan_out(lambda k: self.fetch(entries[k], wheres[k]), ks, catch=Exception)
+        return out.outcomes(ks)
+
+
+@dataclass
+class _Batch:
+    """Prefetches started together, fetched by one task (FileReader._start_prefetch)."""
+    chunks: list[int] = field(default_factory=list)
+    nbytes: int = 0
+
 
 class FileReader:
     def __init__(self, sched: Scheduler, manifest: Manifest, index: TensorIndex | None, inode: int) -> None:
@@ -323,6 +393,7 @@ class FileReader:
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
+        self._open_batch: _Batch | None = None   # prefetches started since the last await join it
 
     def statistics(self) -> FileStats:
         if self.window and self.last >= 0:
@@ -420,6 +491,10 @@ class FileReader:
         return declared is None or i in declared
 
     def _start_prefetch(self, i: int, hold: bool = False) -> None:
+        """Prefetch chunk i (its room reserved by the caller). Prefetches started in one go join one
+        batch, up to a chunk_size of bytes: one fetch slot and one `prefetch_chunks` call for, say, a
+        run of 1 MiB tensors and the small zip-header chunks between them. The batch closes when its
+        task starts, i.e. once the code that started it awaits."""
         assert self._nursery is not None
         size = self.m.chunks[i].raw_len
         self.inflight.add(i)
@@ -429,35 +504,53 @@ class FileReader:
         self.prefetched += size
         self.sched._prefetches += 1
         self.sched._prefetched += size
-        self._nursery.start_soon(self._prefetch, i)
+        batch = self._open_batch
+        if batch is None or batch.nbytes + size > self.sched.config.chunk_size:
+            batch = self._open_batch = _Batch()
+            self._nursery.start_soon(self._prefetch, batch)
+        batch.chunks.append(i)
+        batch.nbytes += size
 
-    async def _prefetch(self, i: int) -> None:
-        """Fetch chunk i into the cache, pinned; the caller reserved room for it, which `get` takes over."""
-        size = self.m.chunks[i].raw_len
+    async def _prefetch(self, batch: "_Batch") -> None:
+        """Fetch a batch's chunks into the cache, pinned; the caller reserved room for each, which
+        `get`/`load_many` take over."""
+        if self._open_batch is batch:
+            self._open_batch = None
         try:
             await self.sched.limiter.acquire()
         except BaseException:
-            self.sched.cache.release(size)
+            self.sched.cache.release(batch.nbytes)
             raise
         try:
-            if self._in_kernel(i):    # another open of the file fetched it while this one waited
-                self.sched.cache.release(size)
-                self.pending.pop(i, None)
-                self.held.discard(i)
-                return
-            data = await self.sched.get_chunk(self.m, i, pin=True, demand=False, reserved=True, owner=self)
-        except Exception as e:                # logged by the store pool; a demand read will report it
-            self.sched._failures += 1
-            log.debug("prefetch of %s chunk %d failed: %s", self.m.path, i, e)
-            self.pending.pop(i, None)
-            self.held.discard(i)
-            return
+            todo = []
+            for i in batch.chunks:
+                if self._in_kernel(i):    # another open of the file fetched it while this one waited
+                    self.sched.cache.release(self.m.chunks[i].raw_len)
+                    self.pending.pop(i, None)
+                    self.held.discard(i)
+                else:
+                    todo.append(i)
+            if len(todo) == 1:
+                try:
+                    got: list[bytes | memoryview | Exception] = [await self.sched.get_chunk(
+                        self.m, todo[0], pin=True, demand=False, reserved=True, owner=self)]
+                except Exception as e:
+                    got = [e]
+            else:
+                got = await self.sched.prefetch_chunks(self.m, todo, owner=self)
         finally:
             self.sched.limiter.release()
-            self.inflight.discard(i)
-        self.pinned.add(i)
-        if i not in self.held:
-            self._push(i, data)
+            self.inflight.difference_update(batch.chunks)
+        for i, data in zip(todo, got):
+            if isinstance(data, Exception):   # logged by the store pool; a demand read will report it
+                self.sched._failures += 1
+                log.debug("prefetch of %s chunk %d failed: %s", self.m.path, i, data)
+                self.pending.pop(i, None)
+                self.held.discard(i)
+                continue
+            self.pinned.add(i)
+            if i not in self.held:
+                self._push(i, data)
         self._kick()
 
     def _push(self, i: int, data: bytes | memoryview) -> None:

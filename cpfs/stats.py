@@ -96,7 +96,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         lines.append(f"declared prefetch {p['path']} ({', '.join(p['patterns'])}): {p['tensors']} tensors, "
                      f"{p['fetched_bytes'] / MiB:.1f} of {p['bytes'] / MiB:.1f} MiB fetched, "
                      f"{p['failed_chunks']} chunks failed, {'done' if p['done'] else 'running'} ({p['seconds']:.1f} s)")
-    lines.append(f"replicas: {r['reads']} reads, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
+    batched = f" ({r['batched']} in {r['batch_reads']} batches)" if r.get("batch_reads") else ""
+    lines.append(f"replicas: {r['reads']} reads{batched}, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
                  f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")
     m = now["mount"]
     lines.append(f"mount: {m['files']} files, {m['open_handles']} open handles, {m['writing']} being written")

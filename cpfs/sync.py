@@ -31,6 +31,12 @@ class FanOut(Generic[T, R]):
         """The items whose call returned, in `items` order (not completion order: deterministic)."""
         return [i for i in items if i in self.results]
 
+    def outcomes(self, items: Iterable[T]) -> list[R | Exception]:
+        """Per item, in `items` order, its call's result or the exception it raised (a batch of
+        reads whose failures are answers, one per item)."""
+        errors = dict(self.errors)
+        return [self.results[i] if i in self.results else errors[i] for i in items]
+
 
 async def fan_out(fn: Callable[[T], Awaitable[R]], items: Iterable[T], *,
                   catch: type[Exception] | tuple[type[Exception], ...]) -> FanOut[T, R]:

@@ -575,3 +575,42 @@ async def test_two_opens_of_one_file_fetch_each_chunk_once(autojump_clock):
     assert bytes(kernel.data) == data
     assert sorted(fetched(store, m)) == list(range(len(m.chunks))), "every chunk fetched exactly once"
     assert sched.cache.statistics().pinned == 0 and sched.cache.statistics().inflight == 0
+
+
+async def test_prefetches_started_together_go_to_fetch_many_a_chunk_size_at_a_time(autojump_clock):
+    """Small chunks that the stream prefetches in one go are fetched together (fetch_many: one batch
+    request per store), at most chunk_size bytes per batch, so a file of many small pieces costs a
+    fetch slot and a store request per chunk_size, not per piece; each chunk is fetched once and the
+    bytes read are the file's."""
+    store = FakeStore(latency=0.008)
+    piece, n = CHUNK // 8, 256
+    data = random.Random(3).randbytes(piece * n)
+    chunks = []
+    for i in range(n):
+        d = chunk_hash(data[i * piece:(i + 1) * piece])
+        store.blobs[d] = data[i * piece:(i + 1) * piece]
+        chunks.append(ChunkEntry(d, piece, piece, "raw", ("s",)))
+    m = Manifest("/f", len(data), 0, 0o644, CHUNK, tuple(chunks), 1, None)
+    batches: list[list[str]] = []
+
+    async def fetch_many(entries, wheres):
+        batches.append([e.digest for e in entries])
+        assert all(f"chunk {m.chunks.index(e)} " in w for e, w in zip(entries, wheres))
+        await trio.sleep(0.008)
+        return [store.blobs[e.digest] for e in entries]
+
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(), fetch_many=fetch_many)
+    async with trio.open_nursery() as nursery:
+        reader = await sched.open(nursery, m, None)
+        t0 = trio.current_time()
+        got = await read_all(reader, m.size, step=4096)
+        elapsed = trio.current_time() - t0
+        await reader.aclose()
+    assert got == data
+    alone = [d for _, event, d in store.log if event == "start"]
+    together = [d for b in batches for d in b]
+    assert sorted(alone + together) == sorted(c.digest for c in chunks), "each chunk fetched once"
+    assert max(map(len, batches)) == 8 and len(together) > n * 3 // 4
+    print(f"{n} pieces of {piece} bytes: {len(batches)} batches, {len(alone)} alone, {elapsed * 1000:.0f} ms")
+    assert elapsed < n * 0.008 / 8
+    assert sched.cache.statistics().pinned == 0 and sched.cache.statistics().inflight == 0

@@ -71,6 +71,19 @@ async def test_contract_get_put_head_exists_delete(store: Store) -> None:
     assert await store.list("chunks/") == ["chunks/ab/ab02", "chunks/cd/cd01"]
 
 
+async def test_contract_get_many_with(store: Store) -> None:
+    """A batch read gives each key's fn(object) in order, and a missing key its NoSuchObject in its
+    place without failing the others; the same bytes as get."""
+    limiter = trio.CapacityLimiter(2)
+    payloads = {f"chunks/ab/ab0{i}": os.urandom(1000 * (i + 1)) for i in range(4)}
+    for k, v in payloads.items():
+        await store.put(k, v)
+    keys = [*payloads, "chunks/ab/missing"]
+    got = await store.get_many_with([(k, lambda data, k=k: (k, bytes(data))) for k in keys], limiter)
+    assert got[:4] == list(payloads.items())
+    assert isinstance(got[4], NoSuchObject) and got[4].store == "s0"
+
+
 async def test_contract_get_range(store: Store) -> None:
     """get_range returns exactly the asked bytes, short at the end, empty past it."""
     data = os.urandom(100_000)
@@ -554,3 +567,55 @@ async def test_pool_all_replicas_bad(tmp_path: Path, caplog: pytest.LogCaptureFi
     tried = {"s1", "s2"} | set(place(enc.digest, pool.names, 2))
     assert all(f"'{n}'" in msg or f"{n}:" in msg for n in tried)
     assert sum(r.levelno == logging.WARNING for r in caplog.records) == len(tried)
+
+
+class CountingReads(StoreWrapper):
+    """Counts the batch reads and the single reads that reach the store below it."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.batches: list[int] = []
+        self.singles = 0
+
+    async def get_with(self, key, fn, limiter):
+        self.singles += 1
+        return await self.inner.get_with(key, fn, limiter)
+
+    async def get_many_with(self, reads, limiter):
+        self.batches.append(len(reads))
+        return await self.inner.get_many_with(reads, limiter)
+
+
+async def test_pool_fetch_chunks_reads_a_batch_per_store_and_each_bad_replica_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """fetch_chunks reads the chunks one store holds with one batch request (not one read each), and
+    a chunk the batch does not bring (corrupt, missing on that store) from its other replica, with a
+    WARNING naming file, chunk and store; a chunk no store can give is its ChunkUnavailable."""
+    payloads = [os.urandom(20_000 + 1000 * i) for i in range(8)]
+    entries = [await _stored(_pool(tmp_path), p) for p in payloads]
+    text = "replicas = 2\n" + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(2))
+    counted = [CountingReads(DirectoryStore(f"s{i}", tmp_path / f"s{i}")) for i in range(2)]
+    pool = StorePool(parse_config(text, "test.toml", tmp_path), stores=counted)
+    wheres = [f"file /run/x.pt offset {i * 100} chunk {i}" for i in range(8)]
+    assert await pool.fetch_chunks(entries, wheres) == payloads
+    assert [c.batches for c in counted] == [[8], []] and [c.singles for c in counted] == [0, 0]
+    stats = pool.replica_statistics()
+    assert (stats.batch_reads, stats.batched, stats.reads) == (1, 8, 8)
+
+    first, other = pool.rank(["s0", "s1"])       # the store the next batch goes to
+    blob = bytearray(_chunk_file(tmp_path, first, entries[2]).read_bytes())
+    blob[-1] ^= 1
+    _chunk_file(tmp_path, first, entries[2]).write_bytes(blob)
+    _chunk_file(tmp_path, first, entries[5]).unlink()
+    for store in ("s0", "s1"):
+        _chunk_file(tmp_path, store, entries[7]).unlink()
+    with caplog.at_level(logging.WARNING, logger="cpfs.pool"):
+        got = await pool.fetch_chunks(entries, wheres)
+    assert got[:7] == payloads[:7]
+    assert isinstance(got[7], ChunkUnavailable) and wheres[7] in str(got[7])
+    by_name = {c.name: c for c in counted}
+    assert sorted(by_name["s0"].batches + by_name["s1"].batches) == [8, 8]
+    assert by_name[first].batches[-1] == 8 and by_name[other].singles >= 3   # 2, 5 and 7 alone
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(wheres[2] in w and "corrupt replica" in w and f"'{first}'" in w for w in warned)
+    assert any(wheres[5] in w and "replica failed" in w and f"'{first}'" in w for w in warned)

@@ -21,7 +21,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -210,6 +210,21 @@ class DirectoryStore(Store):
             return await self._run(self._read_with_sync, path, fn)
         except OSError as e:
             raise self._error(e, key) from None
+
+    def _read_many_sync(self, reads: Sequence[tuple[str, Callable[[bytes | memoryview], T]]]) -> list[T | StoreError]:
+        results: list[T | StoreError] = []
+        for key, fn in reads:
+            try:
+                results.append(self._guarded(self._read_with_sync, self._path(key), fn))
+            except OSError as e:
+                results.append(self._error(e, key))      # StoreUnavailable (the folder is gone) fails all
+        return results
+
+    async def get_many_with(self, reads: Sequence[tuple[str, Callable[[bytes | memoryview], T]]],
+                            limiter: trio.CapacityLimiter) -> list[T | StoreError]:
+        """Every read and its fn, one after another, in one worker thread under one token of this
+        store's limiter: a batch of small chunks costs one hand-off, not one each."""
+        return await trio.to_thread.run_sync(self._read_many_sync, reads, limiter=self.limiter, **{_ABANDON: True})
 
     @staticmethod
     def _read_range_sync(path: Path, start: int, length: int) -> bytes:

@@ -7,7 +7,7 @@ A request counts once per call that reaches this wrapper: the pool's retries are
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -100,6 +100,38 @@ class MeteredStore(StoreWrapper):
             result = await self.inner.get_with(key, sized, limiter)
         self.bytes_read += sized.size
         return result
+
+    async def get_many_with(self, reads: Sequence[tuple[str, Callable[[bytes | memoryview], T]]],
+                            limiter: trio.CapacityLimiter) -> list[T | StoreError]:
+        """One request per key, each in flight for the whole batch, its latency the batch's: the time
+        its answer took (a folder store reads a batch one object after another, a remote one all at
+        once; which, this wrapper does not know)."""
+        n = len(reads)
+        sized = [(key, Sized(fn)) for key, fn in reads]
+        self.requests += n
+        self.outstanding += n
+        self.peak_outstanding = max(self.peak_outstanding, self.outstanding)
+        t0 = trio.current_time()
+        try:
+            results = await self.inner.get_many_with(sized, limiter)
+        except StoreError as e:                  # the whole batch failed: an answer for every key
+            self._answers([e] * n, t0)
+            raise
+        except BaseException:
+            self.cancelled += n
+            raise
+        finally:
+            self.outstanding -= n
+        self._answers(results, t0)
+        self.bytes_read += sum(s.size for _, s in sized)
+        return results
+
+    def _answers(self, results: Sequence[object], t0: float) -> None:
+        took = trio.current_time() - t0
+        for r in results:
+            self.latency_ewma += EWMA_WEIGHT * (took - self.latency_ewma)
+            self._fetches.append(took)
+            self.errors += isinstance(r, StoreError)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         with _Request(self, fetch=True):
