@@ -87,9 +87,22 @@ class Mount:
             return True
 
 
+LOG_TAIL = 60      # lines of a mount's log shown when its test failed
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Keep each phase's report on the test item, so that fixtures can tell a failed test."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
-    """mount(config) -> a live Mount; every mount made is unmounted at teardown, also on failure."""
+def mount(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Mount]]:
+    """mount(config) -> a live Mount; every mount made is unmounted at teardown, also on failure.
+    When the test failed, the tail of each mount's log is printed (shown with the failure): the
+    daemon's side of an errno, which the temporary folder takes with it."""
     made: list[Mount] = []
 
     def _mount(config: Path, name: str = "mnt", *extra: str) -> Mount:
@@ -100,6 +113,12 @@ def mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
         return m
 
     yield _mount
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for m in made:
+            if m.log.exists():
+                tail = m.log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+                print(f"---- last {len(tail)} lines of {m.log}", *tail, sep="\n")
     errors = []
     for m in made:
         try:
