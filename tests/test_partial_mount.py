@@ -153,3 +153,27 @@ def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(ma
         os.setxattr(m.path / "plain.bin", "user.cpfs.prefetch", b"x")
     assert e.value.errno == errno.EINVAL
     assert "no tensor index" in m.log.read_text() and "no tensor matches no.such.tensor" in m.log.read_text()
+
+
+def test_a_checkpoint_of_many_small_tensors_loads_through_batch_reads(make_config, tmp_path: Path, mount) -> None:
+    """torch.load of 96 tensors of 96-288 KiB (each record's data a chunk or two, the zip headers
+    between them small chunks of their own): the prefetches go out in batches of several chunks per
+    store request, every chunk is fetched about once, and the tensors equal the originals."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    sd = {f"opt.{k}.exp_avg": torch.randn(24 * 1024 * (1 + k % 3), generator=g) for k in range(96)}
+    src = tmp_path / "opt.pt"
+    torch.save(sd, src)
+    cfg = make_config(chunk_size="1MiB", cache="64MiB", extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    cpfs("put", str(src), "/opt.pt", config=cfg)
+    m = mount(cfg)
+    before, _ = fetched_bytes(m, cfg)
+    got = torch.load(m.path / "opt.pt", weights_only=True)
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    after, doc = fetched_bytes(m, cfg)
+    r = doc["replicas"]
+    print(f"{r['reads']} replica reads, {r['batched']} of them in {r['batch_reads']} batches; "
+          f"fetched {(after - before) / MiB:.1f} MiB of {src.stat().st_size / MiB:.1f}")
+    assert r["batch_reads"] > 0 and r["batched"] >= 2 * r["batch_reads"]
+    assert r["batched"] >= r["reads"] / 2           # most chunks came in batches
+    assert src.stat().st_size <= after - before <= 1.3 * src.stat().st_size
