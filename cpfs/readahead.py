@@ -511,7 +511,7 @@ class FileReader:
         batch.chunks.append(i)
         batch.nbytes += size
 
-    async def _prefetch(self, batch: "_Batch") -> None:
+    async def _prefetch(self, batch: _Batch) -> None:
         """Fetch a batch's chunks into the cache, pinned; the caller reserved room for each, which
         `get`/`load_many` take over."""
         if self._open_batch is batch:
