@@ -73,6 +73,9 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
                      "done": False, "seconds": 0.5}]
     assert ("declared prefetch /m.pt (layers.1.*): 3 tensors, 4.0 of 8.0 MiB fetched, 0 chunks failed, "
             "running (0.5 s)") in render(now, before)
+    assert "batches" not in render(now, before)
+    now["replicas"].update(reads=12, batch_reads=2, batched=9)
+    assert "replicas: 12 reads (9 in 2 batches)," in render(now, before)
 
 
 def _read_through_a_mount(make_config, tmp_path: Path, mount) -> tuple:
