@@ -212,17 +212,21 @@ class Scheduler:
         key = (inode, manifest.version)
         if key not in self._feeders:
             self._feeders[key] = PageFeeder(manifest, inode, self.on_chunk, self.cache)
+            self._feeders[key].keep = self._declared.get(key, frozenset())
         return self._feeders[key]
 
     def declare(self, inode: int, manifest: Manifest, chunks: frozenset[int] | None) -> None:
         """The chunks a loader declared it will read (cpfs/plan.py), or None to drop the declaration.
         While a version of a file has one, its readers prefetch nothing outside it: the declaration
-        replaces the readahead's guesses, and reads of anything else are fetched on demand."""
+        replaces the readahead's guesses, and reads of anything else are fetched on demand. Its chunks
+        stay in the cache once the kernel has them (`PageFeeder.keep`), until the budget evicts them."""
         key = (inode, manifest.version)
         if chunks is None:
             self._declared.pop(key, None)
         else:
             self._declared[key] = chunks
+        if key in self._feeders:
+            self._feeders[key].keep = chunks or frozenset()
 
     def declared(self, inode: int, manifest: Manifest) -> frozenset[int] | None:
         return self._declared.get((inode, manifest.version))

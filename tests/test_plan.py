@@ -146,3 +146,35 @@ async def test_a_declared_file_is_prefetched_only_within_its_declaration(autojum
             assert outside == set(range(1 + 24, 1 + 40))         # t3 and t4, each chunk once...
             assert s.demand_fetches >= len(outside)              # ... on demand
     assert prefetched[True] < prefetched[False] - 8
+
+
+async def test_a_declared_chunk_stays_cached_after_its_push_so_a_page_the_kernel_drops_costs_no_fetch(autojump_clock):
+    """The host may reclaim a few pushed pages before the loader reads them (this VM does within
+    seconds). A declared chunk stays in the daemon's cache after its push, so the loader's fault on such
+    a page is served without a fetch; undeclared, the chunk leaves the cache once pushed and the same
+    fault costs a fetch of the whole chunk."""
+    refetched = {}
+    for declare in (False, True):
+        store = FakeStore(latency=0.008)
+        m, data, index = checkpoint(store, tensors=4, per=4)
+        kernel = Kernel(len(data))
+        sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(), on_chunk=kernel.push)
+        p = Plan(sched, 7, m, index, ("t1",))
+        if declare:
+            sched.declare(7, m, frozenset(p.chunks))
+        async with trio.open_nursery() as n:
+            await p.run()
+            await trio.testing.wait_all_tasks_blocked()
+            data_chunks = [i for i in p.chunks if index.tensors[1].offset <= m.offsets[i] < index.tensors[2].offset]
+            in_cache = [m.chunks[i].digest in sched.cache for i in data_chunks]
+            assert len(data_chunks) == 4 and (all(in_cache) if declare else not any(in_cache))
+            t1 = index.tensors[1]
+            page = (t1.offset + t1.length // 2) // 4096
+            kernel.pages.discard(page)                      # the host took one page of t1
+            reader = await sched.open(n, m, index, 7)
+            await trio.testing.wait_all_tasks_blocked()
+            before = len(store.log)                         # the head, fetched at open, left out
+            assert await kernel.read(reader, page * 4096, 4096) == data[page * 4096:(page + 1) * 4096]
+            refetched[declare] = len(store.log) - before
+            await reader.aclose()
+    assert refetched == {False: 1, True: 0}
