@@ -276,7 +276,14 @@ class Scheduler:
                               owner: "FileReader | None" = None) -> list[bytes | memoryview | Exception]:
         """`get_chunk(pin=True, demand=False, reserved=True)` of each chunk, in order, with the exception
         in the place of one that failed: a prefetch batch. The chunks neither cached nor in flight are
-        fetched with one `fetch_many` call (one batch request per store), the others as `get_chunk`."""
+        fetched with one `fetch_many` call (one batch request per store), the others as `get_chunk`.
+        A batch of one is a `get_chunk`: the per-chunk path, hedged, without the batch's tasks."""
+        if len(indices) == 1:
+            try:
+                return [await self.get_chunk(manifest, indices[0], pin=True, demand=False, reserved=True,
+                                             owner=owner)]
+            except Exception as e:
+                return [e]
         results: list[bytes | memoryview | Exception | None] = [None] * len(indices)
         fresh: list[int] = []
         digests: set[str] = set()
@@ -534,14 +541,7 @@ class FileReader:
                     self.held.discard(i)
                 else:
                     todo.append(i)
-            if len(todo) == 1:
-                try:
-                    got: list[bytes | memoryview | Exception] = [await self.sched.get_chunk(
-                        self.m, todo[0], pin=True, demand=False, reserved=True, owner=self)]
-                except Exception as e:
-                    got = [e]
-            else:
-                got = await self.sched.prefetch_chunks(self.m, todo, owner=self)
+            got = await self.sched.prefetch_chunks(self.m, todo, owner=self)
         finally:
             self.sched.limiter.release()
             self.inflight.difference_update(batch.chunks)
