@@ -74,7 +74,7 @@ class EncodedChunk:
     digest: str
     raw_len: int
     codec: str
-    blob: bytes | bytearray    # header + payload, as stored
+    blob: bytes | bytearray | memoryview    # header + payload, as stored
 
     @property
     def stored_len(self) -> int:
@@ -86,14 +86,15 @@ def encode(data: bytes | memoryview, compression: str = "lz4", digest: str | Non
     return _encode(memoryview(data), compression, digest, None)
 
 
-def encode_framed(framed: bytearray, compression: str = "lz4") -> EncodedChunk:
+def encode_framed(framed: bytearray | memoryview, compression: str = "lz4") -> EncodedChunk:
     """`encode` of the raw bytes that follow HEADER_SIZE spare bytes in `framed`. A chunk kept raw (trained
     weights do not compress) is then stored from `framed` itself, its header written in place: no copy of
     its bytes, where `encode` copies them twice (~0.2 CPU-s per GiB saved)."""
     return _encode(memoryview(framed)[HEADER_SIZE:], compression, None, framed)
 
 
-def _encode(raw: memoryview, compression: str, digest: str | None, framed: bytearray | None) -> EncodedChunk:
+def _encode(raw: memoryview, compression: str, digest: str | None,
+            framed: bytearray | memoryview | None) -> EncodedChunk:
     digest = digest or chunk_hash(raw)
     payload: bytes | memoryview = raw
     codec = CODEC_RAW

@@ -38,6 +38,7 @@ from .namespace import Namespace
 from .pagecache import Done
 from .pool import StorePool
 from .readahead import Scheduler
+from .upload import ENCODE_POOL
 
 log = logging.getLogger(__name__)
 
@@ -160,16 +161,17 @@ class Pusher:
                     log.exception("page cache push at %d: completion failed", p.offset)
 
 
-async def trim_read_buffers(interval: float = 5.0) -> None:
-    """Free the read buffers nobody holds (cpfs/buffers.py) once no chunk was read for `interval` s:
-    a load reuses them, an idle daemon gives the memory back."""
-    seen = -1
+async def trim_buffers(pools: tuple[buffers.BufferPool, ...], interval: float = 5.0) -> None:
+    """Free the buffers nobody holds (cpfs/buffers.py: chunk reads, spans encoded for upload) once a pool
+    handed none out for `interval` s: a load or a save reuses them, an idle daemon gives the memory back."""
+    seen = [-1] * len(pools)
     while True:
         await trio.sleep(interval)
-        st = buffers.POOL.statistics()
-        if st.reused + st.allocated == seen and st.bytes:
-            buffers.POOL.trim()
-        seen = st.reused + st.allocated
+        for i, p in enumerate(pools):
+            st = p.statistics()
+            if st.reused + st.allocated == seen[i] and st.bytes:
+                p.trim()
+            seen[i] = st.reused + st.allocated
 
 
 async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
@@ -219,7 +221,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
                 await n.start(pusher.run)
             n.start_soon(announce)
             n.start_soon(on_signal)
-            n.start_soon(trim_read_buffers)
+            n.start_soon(trim_buffers, (buffers.POOL, ENCODE_POOL))
             await pyfuse3.main(min_tasks=4, max_tasks=config.max_tasks)
             n.cancel_scope.cancel()
     finally:

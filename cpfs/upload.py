@@ -20,6 +20,7 @@ from typing import TypeVar
 import trio
 
 from . import chunk as chunkfmt
+from .buffers import BufferPool
 from .errors import CpfsError
 from .manifest import ChunkEntry
 from .placement import place
@@ -29,12 +30,18 @@ from .sync import SingleFlight
 T = TypeVar("T")
 R = TypeVar("R")
 
+# Buffers a span is read into, reused once its upload lets go (cpfs/buffers.py). A fresh bytearray per
+# chunk was zero-filled with the GIL held: ~1 ms per 4 MiB chunk on the event loop's time, ~0.3 s per
+# GiB saved. Its own pool, so that chunks the read cache holds never crowd the write path out; what it
+# keeps idle is what the uploads in flight needed (the daemon trims it once writes stop).
+ENCODE_POOL = BufferPool(128 * 1024**2)
+
 
 def encode_span(fd: int, offset: int, length: int, compression: str, name: str) -> chunkfmt.EncodedChunk:
     """Bytes [offset, offset+length) of the open file `name`, encoded as a chunk. Blocking: run it in
     a thread."""
-    framed = bytearray(chunkfmt.HEADER_SIZE + length)   # read where the stored chunk has its bytes
-    view = memoryview(framed)[chunkfmt.HEADER_SIZE:]
+    framed = memoryview(ENCODE_POOL.take(chunkfmt.HEADER_SIZE + length))[:chunkfmt.HEADER_SIZE + length]
+    view = framed[chunkfmt.HEADER_SIZE:]               # read where the stored chunk has its bytes
     while view:
         n = os.preadv(fd, [view], offset)
         if n == 0:

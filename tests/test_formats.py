@@ -48,6 +48,30 @@ def test_encode_framed_is_encode_and_keeps_raw_chunks_in_place(data: bytes) -> N
     assert (enc.blob is framed) == (enc.codec == "raw") and (enc.codec == "lz4") == (data == bytes(300_000))
 
 
+def test_encode_span_reuses_a_buffer_only_once_nothing_holds_its_chunk(tmp_path) -> None:
+    """Spans are read into pooled buffers (upload.ENCODE_POOL), not fresh zero-filled ones: a raw chunk
+    is stored from the buffer it was read into, so that buffer must not serve another span while the
+    chunk is held (an upload in flight), and serves the next one once it is let go."""
+    from cpfs.upload import ENCODE_POOL, encode_span
+
+    a, b = os.urandom(300_000), os.urandom(300_000)
+    (tmp_path / "f").write_bytes(a + b)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        first = encode_span(fd, 0, len(a), "lz4", "f")
+        second = encode_span(fd, len(a), len(b), "lz4", "f")     # first still held: another buffer
+        assert first.codec == second.codec == "raw"
+        assert chunkfmt.decode(first.blob, first.digest) == a and chunkfmt.decode(second.blob, second.digest) == b
+        reused = ENCODE_POOL.statistics().reused
+        del first
+        third = encode_span(fd, 0, len(a), "lz4", "f")            # a's bytes again, in first's buffer
+        assert ENCODE_POOL.statistics().reused == reused + 1
+        assert chunkfmt.decode(third.blob, third.digest) == a
+        assert chunkfmt.decode(second.blob, second.digest) == b  # untouched by the reuse
+    finally:
+        os.close(fd)
+
+
 def test_codec_choice() -> None:
     """lz4 is kept only where it shrinks the data; random data and compression='none' are stored raw."""
     text = _compressible(1 << 20)
