@@ -134,7 +134,9 @@ def wanted(case: str, names: list[str]) -> list[str]:
         per = LAYERS // STAGES
         layers = {f"layers.{i}." for i in range(STAGE * per, (STAGE + 1) * per)}
         model = [n for n in names if n.startswith("model.") and any(n[6:].startswith(x) for x in layers)]
-        order = [n[6:] for n in names if n.startswith("model.")]
+        # Optimizer state i belongs to the model's parameter i (build()), whatever order `names` lists
+        # them in: a safetensors file lists its keys by name, its index by offset, neither in model order.
+        order = [n for n, _ in shapes(64)]
         ids = {str(order.index(n[6:])) for n in model}
         return model + [n for n in names if n.startswith("optimizer.state.") and n.split(".")[2] in ids]
     return list(names)
