@@ -227,9 +227,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     finally:
         pyfuse3.close(unmount=True)
         remove_staging(staging)
-        log.info("unmounted %s; cache %s; scheduler %s; read buffers %s; page cache pushes %s", mountpoint,
-                 cache.statistics(), sched.statistics(), buffers.POOL.statistics(),
-                 pusher.statistics() if pusher else None)
+        log.info("unmounted %s; cache %s; scheduler %s; read buffers %s; encode buffers %s; page cache pushes %s",
+                 mountpoint, cache.statistics(), sched.statistics(), buffers.POOL.statistics(),
+                 ENCODE_POOL.statistics(), pusher.statistics() if pusher else None)
 
 
 # Staging. The staging folder may be shared (/scratch, a folder beside other tools' data): cpfs works in
