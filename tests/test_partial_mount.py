@@ -177,3 +177,19 @@ def test_a_checkpoint_of_many_small_tensors_loads_through_batch_reads(make_confi
     assert r["batch_reads"] > 0 and r["batched"] >= 2 * r["batch_reads"]
     assert r["batched"] >= r["reads"] / 2           # most chunks came in batches
     assert src.stat().st_size <= after - before <= 1.3 * src.stat().st_size
+
+
+def test_the_benchmark_stage_is_the_same_tensors_whatever_order_its_names_come_in() -> None:
+    """bench_partial's stage: layers 6-7 and their own optimizer states (state i is model parameter i),
+    the same set from safe_open().keys() (by name) and from the tensor index (by offset). It once
+    depended on the order, so the declaring side named other optimizer states than the reader read."""
+    from benchmarks.bench_partial import shapes, wanted
+
+    order = [n for n, _ in shapes(64)]
+    names = [f"model.{n}" for n in order] + [f"optimizer.state.{i}.{k}" for i in range(len(order))
+                                              for k in ("exp_avg", "exp_avg_sq", "step")]
+    stage = set(wanted("stage", names))
+    assert stage == set(wanted("stage", sorted(names))) == set(wanted("stage", sorted(names, reverse=True)))
+    model = [n[6:] for n in stage if n.startswith("model.")]
+    assert model and all(n.startswith(("layers.6.", "layers.7.")) for n in model)
+    assert {int(n.split(".")[2]) for n in stage if n.startswith("optimizer.")} == {order.index(n) for n in model}
