@@ -31,9 +31,11 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 # Buffers a span is read into, reused once its upload lets go (cpfs/buffers.py). A fresh bytearray per
-# chunk was zero-filled with the GIL held: ~1 ms per 4 MiB chunk on the event loop's time, ~0.3 s per
-# GiB saved. Its own pool, so that chunks the read cache holds never crowd the write path out; what it
-# keeps idle is what the uploads in flight needed (the daemon trims it once writes stop).
+# chunk was zero-filled holding the GIL: ~1 ms per 4 MiB chunk in which no other Python of the daemon
+# ran, ~0.3 s per GiB saved. Its own pool, so that chunks the read cache holds never crowd the write path
+# out; what it keeps idle is what the uploads in flight needed (the daemon trims it once writes stop).
+# Reuse is safe because every holder of a stored blob (a put's thread, a background put, the repair
+# queue) holds a Python reference to it, which keeps its buffer from being handed out again.
 ENCODE_POOL = BufferPool(128 * 1024**2)
 
 
