@@ -29,6 +29,7 @@ from typing import Any
 
 import blake3
 
+from .chunk import BLOCK
 from .errors import ManifestError
 
 FORMAT = 2
@@ -73,6 +74,7 @@ class ChunkEntry:
     stored_len: int
     codec: str
     stores: tuple[str, ...]
+    blocks: bytes = b""     # block checks of the raw bytes (cpfs/chunk.py); empty: not recorded
 
 
 _SUMMARY_KEYS = ("format", "path", "size", "mtime_ns", "mode", "version", "writer", "host", "committed_ns",
@@ -203,9 +205,13 @@ class Manifest:
         head["xattrs"] = {name: base64.b64encode(value).decode() for name, value in self.xattrs}
         if not head["xattrs"]:
             del head["xattrs"]
-        body = {"chunk_size": self.chunk_size,
-                "chunks": [[c.digest, c.raw_len, c.stored_len, c.codec, list(c.stores)] for c in self.chunks],
-                "tensor_index": self.tensor_index}
+        body: dict[str, Any] = {
+            "chunk_size": self.chunk_size,
+            "chunks": [[c.digest, c.raw_len, c.stored_len, c.codec, list(c.stores)] for c in self.chunks],
+            "tensor_index": self.tensor_index}
+        if any(c.blocks for c in self.chunks):
+            # Beside the chunk list, not in its entries: readers that predate it ignore the key.
+            body["blocks"] = {"size": BLOCK, "checks": [base64.b64encode(c.blocks).decode() for c in self.chunks]}
         line = json.dumps(head, separators=(",", ":")).encode()
         if len(line) >= SUMMARY_MAX:
             raise ManifestError(f"{self.path}: summary of {len(line)} bytes is too long")
@@ -236,6 +242,8 @@ class Manifest:
                         and len(set(stores)) == len(stores)):
                     raise ValueError(f"bad chunk entry {c!r:.200}")
                 chunks.append(ChunkEntry(digest, raw_len, stored_len, codec, tuple(stores)))
+            if "blocks" in doc:
+                chunks = _with_blocks(chunks, doc["blocks"])
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where}: malformed manifest: {e!r:.300}") from None
         m = cls(chunk_size=chunk_size, chunks=tuple(chunks), tensor_index=doc.get("tensor_index"), format=FORMAT,
@@ -247,6 +255,27 @@ class Manifest:
         if m.tensor_index is not None and not isinstance(m.tensor_index, dict):
             raise ManifestError(f"{where}: tensor_index must be an object")
         return m
+
+
+def _with_blocks(chunks: list[ChunkEntry], raw: Any) -> list[ChunkEntry]:
+    """The chunks with their block checks: one base64 string per chunk, 8 bytes per BLOCK of it
+    (empty: not recorded); blocks of another size than this build's are ignored."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("checks"), list) or len(raw["checks"]) != len(chunks):
+        raise ValueError("blocks must be {size, checks} with one check string per chunk")
+    if raw.get("size") != BLOCK:
+        return chunks
+    out = []
+    for c, text in zip(chunks, raw["checks"]):
+        if not isinstance(text, str):
+            raise TypeError("a chunk's block checks must be base64 text")
+        try:
+            checks = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"block checks of chunk {c.digest[:16]} are not base64") from None
+        if checks and len(checks) != 8 * -(-c.raw_len // BLOCK):
+            raise ValueError(f"chunk {c.digest[:16]}: {len(checks)} bytes of block checks for {c.raw_len} bytes")
+        out.append(dataclasses.replace(c, blocks=checks))
+    return out
 
 
 def _loads(data: bytes, where: str) -> Any:

@@ -101,7 +101,7 @@ class Uploader:
             self._stored += enc.stored_len * len(held)
         else:
             self._deduped += 1
-        entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held))
+        entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held), enc.blocks)
         self._placed[enc.digest] = entry
         return entry
 

@@ -186,6 +186,30 @@ def test_the_check_word_stops_accidents_and_full_decode_stops_forgeries() -> Non
         chunkfmt.decode(header + forged, enc.digest, full=True)
 
 
+def test_block_checks_prove_a_range_of_a_chunk_and_nothing_else() -> None:
+    """A ranged read of a raw chunk is checked block by block: the right blocks pass; a flipped byte,
+    blocks from another place of the chunk, or the same bytes under another name do not."""
+    data = os.urandom(3 * chunkfmt.BLOCK + 1000)            # a short last block
+    enc = chunkfmt.encode(data)
+    assert enc.codec == "raw" and len(enc.blocks) == 8 * 4
+    assert enc.blocks == chunkfmt.block_checks(data, enc.digest)
+    B = chunkfmt.BLOCK
+    chunkfmt.check_blocks(data[B:3 * B], enc.digest, enc.blocks, 1)
+    chunkfmt.check_blocks(data[3 * B:], enc.digest, enc.blocks, 3)
+    flipped = bytearray(data[B:2 * B])
+    flipped[12345] ^= 1
+    other = chunkfmt.encode(data + b"!")                      # another name
+    for bad, first, checks, digest in [(bytes(flipped), 1, enc.blocks, enc.digest),
+                                       (data[B:2 * B], 2, enc.blocks, enc.digest),
+                                       (data[:B], 0, enc.blocks, other.digest),
+                                       (data[3 * B:-1], 3, enc.blocks, enc.digest),
+                                       (data[3 * B:] + b"x" * B, 3, enc.blocks, enc.digest)]:
+        with pytest.raises(CorruptChunk, match="block"):
+            chunkfmt.check_blocks(bad, digest, checks, first)
+    # The same bytes saved again, or found in another file, get the same checks (dedup shares them).
+    assert chunkfmt.encode(data, "none").blocks == enc.blocks
+
+
 # ---- manifests ------------------------------------------------------------------------------------------
 
 def _digest(i: int) -> str:
@@ -220,6 +244,38 @@ def test_manifest_round_trip() -> None:
     assert back.stored_bytes == sum(n + 32 for n in (100, 50, 200, 1))
     empty = _manifest(lengths=(), tensor_index=None)
     assert Manifest.from_bytes(empty.to_bytes()) == empty
+
+
+def test_block_checks_round_trip_beside_the_chunk_list_and_are_optional() -> None:
+    """Block checks ride in the body under "blocks", one base64 string per chunk ("" for a chunk that has
+    none); the chunk entries keep their five fields, so a reader that predates them reads the manifest.
+    A manifest without them (written before) loads with none; checks of another block size are left
+    out; a malformed "blocks" is refused like any other field."""
+    lengths = (chunkfmt.BLOCK * 2 + 5, 300)
+    data = [os.urandom(n) for n in lengths]
+    chunks = tuple(ChunkEntry(chunkfmt.chunk_hash(d), len(d), len(d) + 32, "raw", ("s0",),
+                              chunkfmt.block_checks(d, chunkfmt.chunk_hash(d)) if k == 0 else b"")
+                   for k, d in enumerate(data))
+    m = _manifest(lengths=lengths, chunks=chunks)
+    raw = m.to_bytes()
+    body = json.loads(raw.split(b"\n")[1])
+    assert all(len(c) == 5 for c in body["chunks"]) and body["blocks"]["size"] == chunkfmt.BLOCK
+    assert body["blocks"]["checks"][1] == ""
+    back = Manifest.from_bytes(raw)
+    assert back == m and len(back.chunks[0].blocks) == 8 * 3 and back.chunks[1].blocks == b""
+    plain = _manifest(lengths=lengths, chunks=tuple(ChunkEntry(c.digest, c.raw_len, c.stored_len, c.codec, c.stores)
+                                                    for c in chunks))
+    assert b'"blocks"' not in plain.to_bytes() and Manifest.from_bytes(plain.to_bytes()) == plain
+    body["blocks"]["size"] = chunkfmt.BLOCK * 2
+    head = raw.split(b"\n")[0]
+    assert all(c.blocks == b"" for c in Manifest.from_bytes(head + b"\n" + json.dumps(body).encode()).chunks)
+    for bad in [{"size": chunkfmt.BLOCK, "checks": ["", ""][:1]},                    # one per chunk
+                {"size": chunkfmt.BLOCK, "checks": ["AAAA", ""]},                     # 3 bytes for 3 blocks
+                {"size": chunkfmt.BLOCK, "checks": ["not base64!", ""]},
+                {"size": chunkfmt.BLOCK, "checks": [7, ""]}, ["x"], "x"]:
+        body["blocks"] = bad
+        with pytest.raises(ManifestError, match="blocks|block checks|base64"):
+            Manifest.from_bytes(head + b"\n" + json.dumps(body).encode(), where="m")
 
 
 def _doc() -> dict:
