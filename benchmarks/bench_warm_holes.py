@@ -6,9 +6,12 @@ of a file the page cache holds. The local file then reads those pages from the d
 daemon, which fetches their chunks. Before each load, `--holes` random runs of 1-8 pages are dropped
 (fadvise DONTNEED) at the same offsets in both files; `--holes 0` leaves only what the host takes.
 Each load is torch.load (and mmap=True + a read of every tensor) in a fresh python, after twice the
-file's size of memory is written and freed (this VM hands freed memory back to its host).
+file's size of memory is written and freed (this VM hands freed memory back to its host). The first
+load of each kind finds the daemon's cache empty; later ones find the chunks loaded behind the holes
+of the loads before (cpfs/readahead.py, lost pages). `--latency`/`--bandwidth` make the stores
+remote-like (the file is imported without them).
 
-    python -m benchmarks.bench_warm_holes [--size 1GiB] [--holes 300] [--repeat 3]
+    python -m benchmarks.bench_warm_holes [--size 1GiB] [--holes 300] [--repeat 3] [--latency 5ms --bandwidth 400MiB/s]
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=parse_size, default=parse_size("1GiB"))
     p.add_argument("--holes", type=int, default=300, help="runs of 1-8 pages dropped before each load")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--latency", help="per-request latency of every store, e.g. 5ms (default none)")
+    p.add_argument("--bandwidth", help="bandwidth of every store, e.g. 400MiB/s (default none)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cpfs-warm-holes-"))
     try:
@@ -60,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             make_checkpoint(ckpt, args.size)
         cfg = write_store_config(work / "cfg", stores=3, replicas=2)
         ensure_imported(ckpt, DEST, cfg)
+        if args.latency or args.bandwidth:
+            cfg = write_store_config(work / "cfg", stores=3, replicas=2, name="remote.toml", latency=args.latency,
+                                     bandwidth=args.bandwidth)
         touch = 2 * ckpt.stat().st_size          # this VM hands freed memory back to its host
         times: dict[tuple[str, bool], list[float]] = {(w, mm): [] for w in ("local", "cpfs") for mm in (False, True)}
         with mounted(cfg, work / "mnt", work / "mount.log") as m:
@@ -75,16 +83,22 @@ def main(argv: list[str] | None = None) -> int:
                         times[(where, mm)].append(r.total_seconds if mm else r.seconds)
             after = mount_stats(m.path)["scheduler"]
         med = {k: statistics.median(v) for k, v in times.items()}
+        remote = (f", stores {args.latency or '0ms'} / {args.bandwidth or 'unlimited'}"
+                  if args.latency or args.bandwidth else "")
         print(f"\n== {human(ckpt.stat().st_size)} checkpoint, warm loads, {args.holes} runs of 1-8 pages dropped "
-              f"before each (the same in both files), median of {args.repeat}")
+              f"before each (the same in both files), median of {args.repeat}{remote}")
         print_table(["load", "local s", "cpfs s", "ratio (local / cpfs)", "cpfs each (s)"],
                     [["torch.load" + (" mmap=True + read" if mm else ""), f"{med[('local', mm)]:.2f}",
                       f"{med[('cpfs', mm)]:.2f}", f"{med[('local', mm)] / med[('cpfs', mm)]:.2f}",
                       " ".join(f"{t:.2f}" for t in times[("cpfs", mm)])] for mm in (False, True)])
         loads = 2 * args.repeat
-        print(f"\nthe daemon over these {loads} loads: fetched {human(after['fetched_bytes'] - before['fetched_bytes'])} "
-              f"in {after['reads'] - before['reads']} reads; the file pushed again "
-              f"{after['kernel_drops'] - before['kernel_drops']} times")
+
+        def delta(key: str) -> int:
+            return after.get(key, 0) - before.get(key, 0)
+        print(f"\nthe daemon over these {loads} loads: fetched {human(delta('fetched_bytes'))} in {delta('reads')} "
+              f"reads ({delta('block_fetches')} served by fetching blocks, {human(delta('block_bytes'))}; "
+              f"{delta('refilled')} chunks loaded behind them when idle); the file pushed again "
+              f"{delta('kernel_drops')} times")
         return 0
     except BenchError as e:
         print(f"bench_warm_holes: error: {e}", file=sys.stderr)

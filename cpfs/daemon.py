@@ -187,7 +187,8 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     buffers.POOL.max_bytes = min(config.cache_memory // 2, config.readahead_max * 5 // 4 + config.fetch_concurrency
                                  * buffers.size_class(config.chunk_size + chunkfmt.HEADER_SIZE))
     pusher = Pusher() if config.notify_store else None
-    sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher, fetch_many=pool.fetch_chunks)
+    sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher, fetch_many=pool.fetch_chunks,
+                      fetch_blocks=pool.fetch_blocks)
     staging = await trio.to_thread.run_sync(prepare_staging, config)
     ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"} | mount_options(config)
@@ -222,6 +223,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             n.start_soon(announce)
             n.start_soon(on_signal)
             n.start_soon(trim_buffers, (buffers.POOL, ENCODE_POOL))
+            await n.start(sched.run)
             await pyfuse3.main(min_tasks=4, max_tasks=config.max_tasks)
             n.cancel_scope.cancel()
     finally:

@@ -12,8 +12,9 @@ pages) without telling us. A read that asks for pages of a chunk whose push comp
 Once such reads add up to a stretch of the file (STRETCH bytes, each near the last: drop_caches,
 fadvise), the feeder forgets every push of the file, so the readahead fetches and pushes again
 instead of taking the chunks for the kernel's (the daemon dropped its own copies) and fetching each
-on demand, one at a time. A few pages dropped here and there are read with their chunk on demand:
-pushing the rest of the file again for them cost a warm load more than the pages did. A push
+on demand, one at a time. A few pages dropped here and there are read on demand, from the blocks
+around them when the manifest has block checks (cpfs/chunk.py), else with their chunk: pushing the
+rest of the file again for them cost a warm load more than the pages did. A push
 completes while the kernel's read of the same pages may already be on its way to us, so only a push
 older than RACE counts (a drop between two loads is seconds old).
 
@@ -143,13 +144,18 @@ class PageFeeder:
     def lost(self, offset: int, end: int) -> bool:
         """Whether a read of [offset, end) asks the daemon for pages whose push completed: the kernel
         dropped them (it never asks for pages it holds)."""
-        now = trio.current_time()
         for j in self.m.chunk_range(offset, end - offset):
-            if j in self.done and now - self.done_at.get(j, now) >= RACE:
+            if self.lost_chunk(j):
                 lo, hi = self._interior(j)
                 if offset < hi and lo < end:
                     return True
         return False
+
+    def lost_chunk(self, i: int) -> bool:
+        """Whether the kernel was given chunk i's interior over RACE ago: a read of it now means the
+        kernel dropped some of those pages (the reader's readahead then reads just their blocks)."""
+        now = trio.current_time()
+        return i in self.done and now - self.done_at.get(i, now) >= RACE
 
     def dropped_stretch(self, offset: int, end: int) -> bool:
         """Count a read that `lost` flagged; whether the reads of dropped pages, each within STRETCH

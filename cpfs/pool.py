@@ -101,6 +101,9 @@ class ReplicaStats:
     background_waits: int     # writes that waited for room (BACKGROUND_BYTES/WRITES) before returning
     batch_reads: int = 0      # batch requests of fetch_chunks (one store, several chunks)...
     batched: int = 0          # ... and the chunks they asked for (counted in `reads` too)
+    block_reads: int = 0      # ranged reads of a raw chunk's blocks (fetch_blocks), one replica each
+    block_bytes: int = 0      # ... bytes they brought that matched their block checks
+    block_misses: int = 0     # ... that failed or did not match (the caller read the whole chunk)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class StorePool:
         self._hedging = self._hedges_skipped = 0
         self._touched = 0
         self._batch_reads = self._batched = 0
+        self._block_reads = self._block_bytes = self._block_misses = 0
         self._background: trio.Nursery | None = None   # run()'s, while it runs: where writes leave puts
         self._bg_limit = background_bytes
         self._shutdown_grace = shutdown_grace
@@ -192,7 +196,8 @@ class StorePool:
                             background_bytes=self._bg_bytes, background_done=self._bg_done,
                             background_failed=self._bg_failed, background_abandoned=self._bg_abandoned,
                             background_waits=self._bg_waits, batch_reads=self._batch_reads,
-                            batched=self._batched)
+                            batched=self._batched, block_reads=self._block_reads,
+                            block_bytes=self._block_bytes, block_misses=self._block_misses)
 
     def health(self) -> list[StoreHealth]:
         return [self._health[n].snapshot(n) for n in self.names]
@@ -801,6 +806,39 @@ class StorePool:
         raise ChunkUnavailable(f"{where}: no replica of chunk {entry.digest[:16]} could be read "
                                f"(stores {', '.join([*entry.stores, *placed])}): "
                                f"{'; '.join(failures) or 'no known store'}")
+
+    async def fetch_blocks(self, entry: ChunkEntry, start: int, end: int, where: str) -> tuple[int, bytes] | None:
+        """(offset in the chunk, bytes) of the chunk's blocks that cover raw bytes [start, end), each
+        checked against the manifest's block checks, from the best-ranked replica that is up (not
+        hedged: a block costs a fraction of a chunk's read). None if the entry has none or is not stored
+        raw, or that replica fails or does not match: the caller then reads the whole chunk
+        (`fetch_chunk`), with its fallbacks, and finds and repairs a corrupt copy. For a few pages the
+        kernel lost (cpfs/chunk.py, block checks)."""
+        if not entry.blocks or entry.codec != "raw" or not 0 <= start < end <= entry.raw_len:
+            return None
+        first, lo = start // chunkfmt.BLOCK, start // chunkfmt.BLOCK * chunkfmt.BLOCK
+        hi = min(entry.raw_len, -(-end // chunkfmt.BLOCK) * chunkfmt.BLOCK)
+        up = self.rank([n for n in entry.stores if n in self._stores and self._health[n].up])
+        if not up:
+            return None
+        name, key = up[0], chunkfmt.chunk_key(entry.digest)
+        self._block_reads += 1
+        try:
+            data = await self._call(name, f"get {key!r} [{lo}:{hi}]",
+                                    lambda s: s.get_range(key, chunkfmt.HEADER_SIZE + lo, hi - lo))
+            if len(data) != hi - lo:
+                raise CorruptChunk(f"chunk {entry.digest[:16]}: {len(data)} bytes at {lo}, expected {hi - lo}")
+            await trio.to_thread.run_sync(chunkfmt.check_blocks, data, entry.digest, entry.blocks, first,
+                                          limiter=self.cpu)
+        except (StoreError, CorruptChunk) as e:
+            # Not marked corrupt: a copy stored lz4 (dedup keeps a copy encoded otherwise) does not
+            # match either. The whole-chunk read that follows tells the two apart, and repairs.
+            self._block_misses += 1
+            log.info("%s: blocks [%d, %d) of chunk %s on store %r: %s; reading the whole chunk",
+                     where, lo, hi, entry.digest[:16], name, e)
+            return None
+        self._block_bytes += len(data)
+        return lo, data
 
     async def fetch_chunks(self, entries: Sequence[ChunkEntry],
                            wheres: Sequence[str]) -> list[bytes | memoryview | Exception]:

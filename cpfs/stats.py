@@ -81,6 +81,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         pushed += f" (the kernel dropped them {sc['kernel_drops']} times)"
     lines.append(f"reads: {sc['reads']} requests, {sc['read_bytes'] / MiB:.1f} MiB; fetches: {sc['demand_fetches']} "
                  f"on demand, {prefetch}), {sc['inflight']} in flight; {pushed} pushed to the page cache")
+    if sc.get("block_fetches"):
+        lines.append(f"pages the kernel lost: {sc['block_fetches']} reads served from {sc['block_bytes'] / MiB:.1f} "
+                     f"MiB of their blocks; {sc.get('refilled', 0)} of their chunks loaded into the cache since")
     if dt:
         fetched = sum(s["bytes_read"] for s in now["stores"]) - sum(s["bytes_read"] for s in before["stores"])
         read = sc["read_bytes"] - before["scheduler"]["read_bytes"]

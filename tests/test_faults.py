@@ -386,3 +386,51 @@ async def test_a_store_whose_folder_vanishes_is_marked_down_though_hedges_win(tm
     assert pool.replica_statistics().hedges_won >= 1
     assert not s0.up and s0.marked_down == 1 and "gone" in s0.reason, s0
     assert pool.rank(["s0", "s1"]) == ["s1", "s0"]
+
+
+# ---- ranged reads of lost pages -----------------------------------------------------------------------
+
+async def test_blocks_of_a_chunk_are_read_alone_and_checked_and_anything_doubtful_is_left_to_a_whole_read(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """fetch_blocks brings the blocks around a range of a raw chunk, checked against the manifest's block
+    checks. A copy whose block is damaged, a copy stored lz4, a store that fails, an entry without
+    checks: None (never wrong bytes), and the whole-chunk read that follows gets it right and repairs."""
+    config = _config(tmp_path)
+    stores = _folders(config)
+    pool = StorePool(config, stores=stores)
+    B = chunkfmt.BLOCK
+    data = os.urandom(4 * B + 777)
+    entry = await _store(pool, data)
+    entry = ChunkEntry(entry.digest, entry.raw_len, entry.stored_len, entry.codec, entry.stores,
+                       chunkfmt.encode(data).blocks)
+    assert entry.codec == "raw" and entry.blocks
+    before = pool.replica_statistics()
+    assert await pool.fetch_blocks(entry, B + 5, B + 4096, "w") == (B, data[B:2 * B])
+    assert await pool.fetch_blocks(entry, 2 * B - 1, 4 * B + 10, "w") == (B, data[B:])     # to the short end
+    after = pool.replica_statistics()
+    assert (after.block_reads - before.block_reads, after.block_bytes - before.block_bytes) == (2, 4 * B + 777)
+    assert await pool.fetch_blocks(ChunkEntry(entry.digest, entry.raw_len, entry.stored_len, entry.codec,
+                                              entry.stores), 0, 10, "w") is None          # no checks recorded
+    assert await pool.fetch_blocks(entry, 0, 4 * B + 778, "w") is None                  # past the chunk
+    # Damage block 1 of every copy: each ranged read of it is refused; the whole read repairs nothing it
+    # cannot prove, and fails rather than answer wrong bytes.
+    for name in entry.stores:
+        path = _copy(tmp_path, name, entry.digest)
+        blob = bytearray(path.read_bytes())
+        blob[chunkfmt.HEADER_SIZE + B + 100] ^= 0x40
+        path.write_bytes(bytes(blob))
+    with caplog.at_level(logging.INFO, logger="cpfs.pool"):
+        assert await pool.fetch_blocks(entry, B, B + 1, "file /x offset 1 chunk 0") is None
+    assert pool.replica_statistics().block_misses == 1
+    assert any("file /x offset 1 chunk 0" in r.getMessage() and "block 1" in r.getMessage() for r in caplog.records)
+    assert await pool.fetch_blocks(entry, 0, 10, "w") == (0, data[:B])                   # block 0 is fine
+    with pytest.raises(ChunkUnavailable):
+        await pool.fetch_chunk(entry, "w")
+    # A copy stored lz4 under the same name (dedup keeps a copy encoded otherwise) is refused too.
+    text = b"compressible " * 60_000
+    lz4 = chunkfmt.encode(text, "lz4")
+    assert lz4.codec == "lz4"
+    await pool.store_chunk(lz4, ["s0", "s1"], 2)
+    lying = ChunkEntry(lz4.digest, lz4.raw_len, lz4.stored_len, "raw", ("s0", "s1"), lz4.blocks)
+    assert await pool.fetch_blocks(lying, 0, 100, "w") is None
+    assert await pool.fetch_chunk(lying, "w") == text

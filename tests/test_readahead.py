@@ -8,12 +8,13 @@ import trio
 import trio.testing
 
 from cpfs.cache import ChunkCache
-from cpfs.chunk import chunk_hash
+from cpfs.chunk import BLOCK, chunk_hash
 from cpfs.chunking import LEAD, PAGE, READ_BLOCK, TAIL, cut, tensor_boundaries
 from cpfs.config import parse_config
 from cpfs.errors import ChunkUnavailable
 from cpfs.manifest import ChunkEntry, Manifest
-from cpfs.readahead import Scheduler, plan_for
+from cpfs.pagecache import RACE
+from cpfs.readahead import REFILL_IDLE, Scheduler, plan_for
 from cpfs.tensor_index import Record, TensorEntry, TensorIndex
 
 CHUNK = 64 * 1024
@@ -614,3 +615,68 @@ async def test_prefetches_started_together_go_to_fetch_many_a_chunk_size_at_a_ti
     print(f"{n} pieces of {piece} bytes: {len(batches)} batches, {len(alone)} alone, {elapsed * 1000:.0f} ms")
     assert elapsed < n * 0.008 / 8
     assert sched.cache.statistics().pinned == 0 and sched.cache.statistics().inflight == 0
+
+
+class BlockStore(FakeStore):
+    """A FakeStore that also serves the blocks around a range (StorePool.fetch_blocks), or refuses to
+    (None: no block checks, a copy stored lz4) when `blocks` is False."""
+
+    def __init__(self, latency: float = 0.008, blocks: bool = True) -> None:
+        super().__init__(latency)
+        self.blocks = blocks
+
+    async def fetch_blocks(self, entry: ChunkEntry, start: int, end: int, where: str) -> tuple[int, bytes] | None:
+        if not self.blocks:
+            return None
+        self.log.append((trio.current_time(), "blocks", entry.digest))
+        await trio.sleep(self.latency / 4)
+        lo, hi = start // BLOCK * BLOCK, min(entry.raw_len, -(-end // BLOCK) * BLOCK)
+        return lo, self.blobs[entry.digest][lo:hi]
+
+
+async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks_cached_once_idle(autojump_clock):
+    """A page the kernel was given and lost (a host reclaiming cold pages) costs the reader the blocks
+    around it, not its chunk; once no read has come for REFILL_IDLE, the chunk is loaded into the cache,
+    so the next page lost beside it costs no fetch. Without blocks to be had, the chunk is read."""
+    for blocks in (True, False):
+        store = BlockStore(blocks=blocks)
+        big = 4 * BLOCK
+        data = random.Random(5).randbytes(6 * big)
+        chunks = []
+        for i in range(6):
+            piece = data[i * big:(i + 1) * big]
+            store.blobs[chunk_hash(piece)] = piece
+            chunks.append(ChunkEntry(chunk_hash(piece), big, big, "raw", ("s",)))
+        m = Manifest("/f", len(data), 0, 0o644, big, tuple(chunks), 1)
+        kernel = Kernel(len(data))
+        sched = Scheduler(ChunkCache(64 * big), store.fetch, config(cache="64MiB", max=2 * big),
+                          on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
+        async with trio.open_nursery() as n:
+            await n.start(sched.run)
+            reader = await sched.open(n, m, None, inode=3)
+            for off in range(0, len(data), 64 * 1024):
+                assert await kernel.read(reader, off, 64 * 1024) == data[off:off + 64 * 1024]
+            await trio.sleep(RACE + 0.1)
+            assert len(kernel.pages) == len(data) // Kernel.PAGE and sched.cache.statistics().used == 0
+            store.log.clear()
+            demand = sched.statistics().demand_fetches
+            lost = [big + BLOCK + 3 * Kernel.PAGE, 4 * big + 5 * Kernel.PAGE, 4 * big + 3 * BLOCK]
+            kernel.pages -= {off // Kernel.PAGE for off in lost}
+            for off in lost:                     # read back to back: no idle moment between them
+                assert await kernel.read(reader, off, 100) == data[off:off + 100]
+            events = [(ev, m.chunks.index(next(c for c in m.chunks if c.digest == d))) for _, ev, d in store.log]
+            if blocks:
+                assert events == [("blocks", 1), ("blocks", 4), ("blocks", 4)]
+                st = sched.statistics()
+                assert (st.block_fetches, st.block_bytes, st.demand_fetches - demand) == (3, 3 * BLOCK, 0)
+                await trio.sleep(REFILL_IDLE + 0.1)
+                assert [e for _, e, _ in store.log[3:]] == ["start", "start"] and sched.statistics().refilled == 2
+                store.log.clear()
+                again = 4 * big + 2 * BLOCK
+                kernel.pages.discard(again // Kernel.PAGE)
+                assert await kernel.read(reader, again, 100) == data[again:again + 100]
+                assert store.log == [], "the chunk was loaded: a page lost beside the first costs no fetch"
+            else:
+                assert events == [("start", 1), ("start", 4)]     # the second page of chunk 4: a cache hit
+            await reader.aclose()
+            n.cancel_scope.cancel()

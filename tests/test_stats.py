@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from cpfs.chunk import BLOCK
 from cpfs.stats import CONTROL_NAME, render
 from tests.conftest import cpfs
 
@@ -73,7 +74,9 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
                      "done": False, "seconds": 0.5}]
     assert ("declared prefetch /m.pt (layers.1.*): 3 tensors, 4.0 of 8.0 MiB fetched, 0 chunks failed, "
             "running (0.5 s)") in render(now, before)
-    assert "batches" not in render(now, before)
+    assert "batches" not in render(now, before) and "pages the kernel lost" not in render(now, before)
+    now["scheduler"].update(block_fetches=3, block_bytes=MiB, refilled=2)
+    assert "pages the kernel lost: 3 reads served from 1.0 MiB of their blocks; 2 of their chunks" in render(now)
     now["replicas"].update(reads=12, batch_reads=2, batched=9)
     assert "replicas: 12 reads (9 in 2 batches)," in render(now, before)
 
@@ -116,28 +119,42 @@ def test_pages_the_kernel_dropped_are_prefetched_again_not_fetched_one_by_one(ma
     assert second["fetched_bytes"] - first["fetched_bytes"] >= len(data) * 3 // 4    # most from the stores again
 
 
-def test_a_few_pages_the_kernel_dropped_are_read_with_their_chunks_not_the_whole_file(make_config, tmp_path: Path,
+def test_a_few_pages_the_kernel_dropped_are_read_from_their_blocks_not_the_whole_file(make_config, tmp_path: Path,
                                                                                        mount) -> None:
     """Memory pressure, or a host reclaiming a VM's cold pages, drops a few pages here and there of a
-    file the kernel holds: each such read fetches its chunk, and the rest of the file is not fetched
-    and pushed again (that cost a warm load more than the pages did)."""
+    file the kernel holds: each such read fetches the 256 KiB blocks around its pages, checked against
+    the manifest's block checks, not its chunk, and the rest of the file is not fetched and pushed again
+    (that cost a warm load more than the pages did). Once the mount is idle their chunks are loaded
+    into the daemon's cache: a page dropped later beside them costs no fetch."""
     m, data, scheduler = _read_through_a_mount(make_config, tmp_path, mount)
     first = scheduler()
     time.sleep(1.1)      # older than pagecache.RACE
-    holes = [3 * MiB + 4096, 17 * MiB, 30 * MiB + 8192 * 3, 41 * MiB - 4096]      # in 4 chunks, MiBs apart
+    holes = [3 * MiB + 4096, 17 * MiB + 16384, 30 * MiB + 8192 * 3, 41 * MiB - 16384]   # in 4 chunks, MiBs apart
     fd = os.open(m.path / "f.bin", os.O_RDONLY)
     try:
         for off in holes:
             os.posix_fadvise(fd, off, 4096, os.POSIX_FADV_DONTNEED)
         for off in holes:
             assert os.pread(fd, 4096, off) == data[off:off + 4096]
+        second = scheduler()
+        assert second["kernel_drops"] == first["kernel_drops"]       # the file's pushes stand
+        assert second["demand_fetches"] == first["demand_fetches"], "no chunk read on demand"
+        # Their 4 reads, and one for each page the host took meanwhile (this VM's DAMON reclaim took 13
+        # pages in 10 more chunks in one CI run), each the block or two around its pages.
+        reads = second["block_fetches"] - first["block_fetches"]
+        assert reads >= len(holes), (first, second)
+        assert second["block_bytes"] - first["block_bytes"] <= reads * 2 * BLOCK, (first, second)
+        deadline = time.monotonic() + 20
+        while scheduler()["refilled"] < len(holes):       # loaded once no read came for REFILL_IDLE
+            assert time.monotonic() < deadline, scheduler()
+            time.sleep(0.2)
+        third = scheduler()
+        for off in holes:           # another page of each of those chunks
+            os.posix_fadvise(fd, off + 8192, 4096, os.POSIX_FADV_DONTNEED)
+        for off in holes:
+            assert os.pread(fd, 4096, off + 8192) == data[off + 8192:off + 12288]
+        fourth = scheduler()
+        assert fourth["fetched_bytes"] - third["fetched_bytes"] <= 2 * BLOCK, (third, fourth)   # DAMON's, if any
     finally:
         os.close(fd)
     assert (m.path / "f.bin").read_bytes() == data
-    second = scheduler()
-    assert second["kernel_drops"] == first["kernel_drops"]       # the file's pushes stand
-    # Their 4 chunks, and the chunk of each page the host took meanwhile (this VM's DAMON reclaim took 13
-    # pages in 10 more chunks in one CI run), each read on demand; not the rest of the file, which the
-    # old code fetched again.
-    fetched = second["fetched_bytes"] - first["fetched_bytes"]
-    assert 0 < fetched <= len(data) // 2, (first, second)
