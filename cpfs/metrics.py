@@ -140,6 +140,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
                                      "Reads of pages the kernel lost, served by fetching only their blocks."),
     ("scheduler", "block_bytes"): ("cpfs_pagecache_lost_fetched_bytes_total", "counter",
                                    "Bytes fetched for those reads."),
+    ("scheduler", "refilled"): ("cpfs_pagecache_lost_refilled_total", "counter",
+                                "Chunks with lost pages loaded into the cache once the mount was idle."),
     ("scheduler", "inflight"): ("cpfs_fetches_in_flight", "gauge", "Chunk fetches in flight now."),
     ("scheduler", "peak_inflight"): ("cpfs_fetches_in_flight_peak", "gauge", "Most chunk fetches in flight at once."),
     # cpfs.catalog

@@ -153,7 +153,7 @@ class PageFeeder:
 
     def lost_chunk(self, i: int) -> bool:
         """Whether the kernel was given chunk i's interior over RACE ago: a read of it now means the
-        kernel dropped some of those pages (the reader's readahead then reads just their blocks)."""
+        kernel dropped some of those pages (FileReader.read then fetches just the blocks around them)."""
         now = trio.current_time()
         return i in self.done and now - self.done_at.get(i, now) >= RACE
 
