@@ -142,6 +142,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
                                    "Bytes fetched for those reads."),
     ("scheduler", "refilled"): ("cpfs_pagecache_lost_refilled_total", "counter",
                                 "Chunks with lost pages loaded into the cache once the mount was idle."),
+    ("scheduler", "refill_queued"): ("cpfs_pagecache_lost_refill_queued", "gauge",
+                                     "Chunks with lost pages waiting for the mount to be idle to be loaded."),
     ("scheduler", "inflight"): ("cpfs_fetches_in_flight", "gauge", "Chunk fetches in flight now."),
     ("scheduler", "peak_inflight"): ("cpfs_fetches_in_flight_peak", "gauge", "Most chunk fetches in flight at once."),
     # cpfs.catalog

@@ -125,6 +125,7 @@ class SchedulerStats:
     block_fetches: int = 0           # reads of pages the kernel lost, served by fetching their blocks
     block_bytes: int = 0             # ... bytes those fetches brought (in fetched_bytes too)
     refilled: int = 0                # chunks of those loaded into the cache afterwards, when idle
+    refill_queued: int = 0           # ... and waiting for the mount to be idle
     files: tuple[FileStats, ...] = ()
 
 
@@ -297,7 +298,8 @@ class Scheduler:
             inflight=self._inflight, peak_inflight=self._peak, fetched_bytes=self._fetched,
             prefetched_bytes=self._prefetched, prefetch_used_bytes=self._used,
             prefetch_wasted_bytes=self._wasted, kernel_drops=drops, block_fetches=self._block_fetches,
-            block_bytes=self._block_bytes, refilled=self._refilled, files=files)
+            block_bytes=self._block_bytes, refilled=self._refilled, refill_queued=len(self._to_refill),
+            files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
                    inode: int = 0) -> "FileReader":

@@ -83,7 +83,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                  f"on demand, {prefetch}), {sc['inflight']} in flight; {pushed} pushed to the page cache")
     if sc.get("block_fetches"):
         lines.append(f"pages the kernel lost: {sc['block_fetches']} reads served from {sc['block_bytes'] / MiB:.1f} "
-                     f"MiB of their blocks; {sc.get('refilled', 0)} of their chunks loaded into the cache since")
+                     f"MiB of their blocks; {sc.get('refilled', 0)} of their chunks loaded into the cache since, "
+                     f"{sc.get('refill_queued', 0)} waiting for the mount to be idle")
     if dt:
         fetched = sum(s["bytes_read"] for s in now["stores"]) - sum(s["bytes_read"] for s in before["stores"])
         read = sc["read_bytes"] - before["scheduler"]["read_bytes"]

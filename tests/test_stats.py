@@ -75,8 +75,9 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     assert ("declared prefetch /m.pt (layers.1.*): 3 tensors, 4.0 of 8.0 MiB fetched, 0 chunks failed, "
             "running (0.5 s)") in render(now, before)
     assert "batches" not in render(now, before) and "pages the kernel lost" not in render(now, before)
-    now["scheduler"].update(block_fetches=3, block_bytes=MiB, refilled=2)
-    assert "pages the kernel lost: 3 reads served from 1.0 MiB of their blocks; 2 of their chunks" in render(now)
+    now["scheduler"].update(block_fetches=3, block_bytes=MiB, refilled=2, refill_queued=1)
+    assert ("pages the kernel lost: 3 reads served from 1.0 MiB of their blocks; 2 of their chunks loaded into "
+            "the cache since, 1 waiting for the mount to be idle") in render(now)
     now["replicas"].update(reads=12, batch_reads=2, batched=9)
     assert "replicas: 12 reads (9 in 2 batches)," in render(now, before)
 
@@ -125,7 +126,7 @@ def test_a_few_pages_the_kernel_dropped_are_read_from_their_blocks_not_the_whole
     file the kernel holds: each such read fetches the 256 KiB blocks around its pages, checked against
     the manifest's block checks, not its chunk, and the rest of the file is not fetched and pushed again
     (that cost a warm load more than the pages did). Once the mount is idle their chunks are loaded
-    into the daemon's cache."""
+    into the daemon's cache: a page dropped later beside them costs no fetch."""
     m, data, scheduler = _read_through_a_mount(make_config, tmp_path, mount)
     first = scheduler()
     time.sleep(1.1)      # older than pagecache.RACE
@@ -145,8 +146,8 @@ def test_a_few_pages_the_kernel_dropped_are_read_from_their_blocks_not_the_whole
         assert reads >= len(holes), (first, second)
         assert second["block_bytes"] - first["block_bytes"] <= reads * 2 * BLOCK, (first, second)
         deadline = time.monotonic() + 20
-        while scheduler()["refilled"] < len(holes):       # loaded once no read came for REFILL_IDLE
-            assert time.monotonic() < deadline, scheduler()
+        while (now := scheduler())["refill_queued"] or now["refilled"] < len(holes):
+            assert time.monotonic() < deadline, now       # loaded once no read came for REFILL_IDLE
             time.sleep(0.2)
         third = scheduler()
         for off in holes:           # another page of each of those chunks
@@ -154,10 +155,10 @@ def test_a_few_pages_the_kernel_dropped_are_read_from_their_blocks_not_the_whole
         for off in holes:
             assert os.pread(fd, 4096, off + 8192) == data[off + 8192:off + 12288]
         fourth = scheduler()
-        # Served from the loaded chunks, or at worst from blocks again: never a chunk per page. (That
-        # the loaded chunks serve them is shown without a mount, in test_readahead: in one CI run these
-        # four reads fetched blocks although four chunks had been loaded; nine runs here did not.)
-        assert fourth["fetched_bytes"] - third["fetched_bytes"] <= len(holes) * 2 * BLOCK, (third, fourth)
+        # Served from the loaded chunks (the blocks of a page the host took meanwhile, if any). Waiting
+        # for `refilled` alone was not enough: once in CI, chunks whose pages the host took during the
+        # first read were queued first, and made up the count.
+        assert fourth["fetched_bytes"] - third["fetched_bytes"] <= 2 * BLOCK, (third, fourth)
         assert fourth["demand_fetches"] == third["demand_fetches"], (third, fourth)
     finally:
         os.close(fd)
