@@ -58,6 +58,7 @@ PROBE = 16 * 1024
 PROBES = 8
 BLOCK = 256 * 1024     # bytes per block check (64 KiB would cost the manifest 128 KiB per GiB)
 _WORD = struct.Struct("<Q")
+BLOCK_CHECK_SIZE = _WORD.size   # bytes per block check in a manifest
 # An lz4 block never expands more than this (255 bytes of match per byte), so a larger raw length is a
 # corrupt header, not a reason to allocate gigabytes.
 LZ4_MAX_RATIO = 255

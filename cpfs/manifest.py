@@ -29,7 +29,7 @@ from typing import Any
 
 import blake3
 
-from .chunk import BLOCK
+from .chunk import BLOCK, BLOCK_CHECK_SIZE
 from .errors import ManifestError
 
 FORMAT = 2
@@ -258,8 +258,8 @@ class Manifest:
 
 
 def _with_blocks(chunks: list[ChunkEntry], raw: Any) -> list[ChunkEntry]:
-    """The chunks with their block checks: one base64 string per chunk, 8 bytes per BLOCK of it
-    (empty: not recorded); blocks of another size than this build's are ignored."""
+    """The chunks with their block checks: one base64 string per chunk, BLOCK_CHECK_SIZE bytes per
+    BLOCK of it (empty: not recorded); blocks of another size than this build's are ignored."""
     if not isinstance(raw, dict) or not isinstance(raw.get("checks"), list) or len(raw["checks"]) != len(chunks):
         raise ValueError("blocks must be {size, checks} with one check string per chunk")
     if raw.get("size") != BLOCK:
@@ -272,7 +272,7 @@ def _with_blocks(chunks: list[ChunkEntry], raw: Any) -> list[ChunkEntry]:
             checks = base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError):
             raise ValueError(f"block checks of chunk {c.digest[:16]} are not base64") from None
-        if checks and len(checks) != 8 * -(-c.raw_len // BLOCK):
+        if checks and len(checks) != BLOCK_CHECK_SIZE * -(-c.raw_len // BLOCK):
             raise ValueError(f"chunk {c.digest[:16]}: {len(checks)} bytes of block checks for {c.raw_len} bytes")
         out.append(dataclasses.replace(c, blocks=checks))
     return out

@@ -11,7 +11,10 @@ reads can rot unnoticed until the other one is gone too. `cpfs scrub` reads all 
   manifests list and on its current placement. A copy is good if it decodes and hashes to its name
   (`chunk.decode`, in `pool.cpu` threads). A chunk is healthy when every manifest naming it can
   reach `replicas` good copies: on the stores its entry lists (that still exist) or on the current
-  placement, which `StorePool.fetch_chunk` tries after the listed ones.
+  placement, which `StorePool.fetch_chunk` tries after the listed ones. The block checks a manifest
+  records for the chunk (`chunk.block_checks`, read when the kernel loses pages) are compared with
+  its good copy: a wrong one costs readers a whole-chunk read, never wrong bytes, and only a bug can
+  write one, so it is reported (`block_checks_wrong`), not repaired (versions are immutable).
 Repair (`--repair`) rewrites every missing or corrupt copy on a listed store from a good copy, then,
 while a chunk is still short (a listed store was removed from the config or replaced, a manifest
 lists fewer stores than `replicas`), puts copies on its current placement; manifest copies go to
@@ -74,6 +77,7 @@ class ScrubStats:
     unreachable: int = 0             # copies a store failed to answer for (down, timing out)
     under_replicated: int = 0        # chunks some manifest reaches fewer than `replicas` good copies of
     lost: int = 0                    # chunks with no good copy on any store
+    block_checks_wrong: int = 0      # versions whose block checks of a chunk do not match its good copy
     vanished: int = 0                # versions or chunks deleted while the scrub ran (retired, gc)
     repaired: int = 0                # copies written (chunks and manifests)
     unrepaired: int = 0              # chunks and versions short of `replicas` good copies at the end
@@ -83,7 +87,7 @@ class ScrubStats:
     def found(self) -> int:
         """Problems found so far: bad copies, and objects with no good copy."""
         return (self.missing + self.corrupt + self.unreachable + self.lost + self.manifest_missing
-                + self.manifest_corrupt + self.manifests_lost)
+                + self.manifest_corrupt + self.manifests_lost + self.block_checks_wrong)
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class _Chunk:
     """What the scrubbed versions say of one chunk (one record per chunk, however many name it)."""
     stores: set[tuple[str, ...]] = field(default_factory=set)   # the store lists of its entries
     versions: list[_Version] = field(default_factory=list)      # the versions naming it
+    blocks: dict[bytes, list[_Version]] = field(default_factory=dict)  # recorded block checks -> versions
 
     @property
     def where(self) -> str:
@@ -379,6 +384,10 @@ class Scrubber:
             chunk.stores.add(c.stores)
             if not chunk.versions or chunk.versions[-1] is not v:
                 chunk.versions.append(v)
+            if c.blocks:
+                named = chunk.blocks.setdefault(c.blocks, [])
+                if not named or named[-1] is not v:
+                    named.append(v)
 
     async def _repair_version(self, v: _Version, good: bytes, state: dict[str, str], placement: list[str]) -> None:
         # A version deleted since it was read (retired, or a commit that failed below quorum taking
@@ -422,13 +431,14 @@ class Scrubber:
                 state[name] = "good"
                 continue
             try:
-                await trio.to_thread.run_sync(chunkfmt.decode, got, digest, True, limiter=pool.cpu)  # full: BLAKE3
+                checks = await trio.to_thread.run_sync(_verify, got, digest, bool(chunk.blocks), limiter=pool.cpu)
             except CorruptChunk as e:
                 state[name] = f"corrupt: {e}"
                 continue
             state[name] = "good"
             if good is None:
                 good = got
+                await self._compare_blocks(digest, chunk, checks)
         self._t.add("chunks")
         bad = {n: s for n, s in state.items() if s not in ("good", "absent")}
         if not bad and self._short(chunk, state, placement) == 0:
@@ -459,6 +469,22 @@ class Scrubber:
                               + (", ".join(n for n, s in state.items() if s == "good") or "no store")
                               + (f"; listed on {', '.join(gone)}, not in the config" if gone else ""))
 
+    async def _compare_blocks(self, digest: str, chunk: _Chunk, checks: bytes) -> None:
+        """Report each version whose block checks of the chunk differ from its good copy's (`checks`)."""
+        size = chunkfmt.BLOCK_CHECK_SIZE
+        for recorded, versions in chunk.blocks.items():
+            if recorded == checks:
+                continue
+            n = max(len(recorded), len(checks)) // size
+            wrong = [b for b in range(n) if recorded[b * size:(b + 1) * size] != checks[b * size:(b + 1) * size]]
+            for v in versions:
+                if await self._exists(v.ref.key, v.holders):       # else retired meanwhile
+                    self._t.add("block_checks_wrong")
+                    self._problem("manifest", "wrong block checks", v.ref.key, "", v.where,
+                                  f"chunk {digest[:16]}: block(s) {', '.join(map(str, wrong[:8]))}"
+                                  f"{' ...' if len(wrong) > 8 else ''} of {len(checks) // size} (reads of "
+                                  "pages the kernel lost fall back to the whole chunk)")
+
     def _short(self, chunk: _Chunk, state: dict[str, str], placement: list[str]) -> int:
         """How many good copies the worst-off manifest naming the chunk lacks: each reaches the stores
         its entry lists and the current placement (StorePool.fetch_chunk)."""
@@ -485,6 +511,12 @@ class Scrubber:
         return False
 
 
+def _verify(blob: bytes, digest: str, with_checks: bool) -> bytes:
+    """Decode a copy and verify it by BLAKE3 (CorruptChunk if bad); its block checks if asked. Blocking."""
+    raw = chunkfmt.decode(blob, digest, True)
+    return chunkfmt.block_checks(raw, digest) if with_checks else b""
+
+
 def render(report: ScrubReport) -> str:
     """The human summary `cpfs scrub` prints."""
     s = report.stats
@@ -498,6 +530,7 @@ def render(report: ScrubReport) -> str:
                ("under-replicated chunks", s.under_replicated), ("lost chunks", s.lost),
                ("missing manifest copies", s.manifest_missing), ("corrupt manifest copies", s.manifest_corrupt),
                ("under-replicated versions", s.manifests_under_replicated), ("lost versions", s.manifests_lost),
+               ("versions with wrong block checks", s.block_checks_wrong),
                ("copies a store did not answer for", s.unreachable), ("deleted while scrubbing", s.vanished)]
     found = [f"{n} {what}" for what, n in figures if n]
     if found:

@@ -3,6 +3,7 @@ added and removed stores found and repaired; readers find the copies a repair pl
 with their files. Damage is done to the store folders themselves, as a failing disk or a person would."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -16,7 +17,7 @@ from cpfs import chunk as chunkfmt
 from cpfs.catalog import Catalog, VersionRef
 from cpfs.config import load_config
 from cpfs.errors import CorruptChunk
-from cpfs.manifest import ChunkEntry, path_hash
+from cpfs.manifest import ChunkEntry, Manifest, path_hash
 from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.scrub import ScrubReport, Scrubber
@@ -96,7 +97,8 @@ def _assert_reads(config: Path, files: dict[str, bytes]) -> None:
 
 
 CLEAN = {"missing": 0, "corrupt": 0, "unreachable": 0, "under_replicated": 0, "lost": 0, "manifest_missing": 0,
-         "manifest_corrupt": 0, "manifests_under_replicated": 0, "manifests_lost": 0, "unrepaired": 0, "ok": True}
+         "manifest_corrupt": 0, "manifests_under_replicated": 0, "manifests_lost": 0, "block_checks_wrong": 0,
+         "unrepaired": 0, "ok": True}
 
 
 def _clean(report: dict) -> bool:
@@ -316,6 +318,33 @@ def test_lost_chunk_names_its_file_and_stays_an_error(tmp_path: Path) -> None:
     r = cpfs("scrub", config=config, check=False)
     out = r.stdout.decode()
     assert r.returncode == 1 and "/tree/sub/c.bin version 1 (current)" in out and "NOT OK" in out
+
+
+def test_wrong_block_checks_in_a_manifest_are_reported(tmp_path: Path) -> None:
+    """A manifest whose block checks of a chunk do not match the chunk (only a bug writes one): scrub
+    names the version, the chunk and the block; the chunk itself is healthy and reads stay right."""
+    config = _config(tmp_path / "cfg")
+    files = _tree(tmp_path, config)
+    copies = {}
+    for (store, key), data in _objects(config).items():
+        if key.startswith("manifests/") and (m := Manifest.from_bytes(data)).path == "/tree/b.bin":
+            copies[(store, key)] = m
+    m = next(iter(copies.values()))
+    assert len(copies) == 2 and all(c.blocks for c in m.chunks)
+    checks = bytearray(m.chunks[1].blocks)
+    checks[3] ^= 1
+    wrong = dataclasses.replace(m, chunks=[dataclasses.replace(c, blocks=bytes(checks)) if i == 1 else c
+                                           for i, c in enumerate(m.chunks)])
+    for store, key in copies:
+        (config.parent / "stores" / store / key).write_bytes(wrong.to_bytes())
+    rc, j = _scrub(config)
+    assert rc == 0 and j["block_checks_wrong"] == 1 and j["corrupt"] == 0, j
+    (p,) = j["problems"]
+    assert (p["what"], p["kind"], p["where"]) == ("manifest", "wrong block checks", "/tree/b.bin version 1 (current)")
+    assert p["detail"].startswith(f"chunk {m.chunks[1].digest[:16]}: block(s) 0 of 1")
+    out = cpfs("scrub", config=config).stdout.decode()
+    assert "1 versions with wrong block checks" in out and "ok: every chunk" in out
+    _assert_reads(config, files)
 
 
 def test_path_limits_the_scrub(tmp_path: Path) -> None:
