@@ -218,6 +218,11 @@ class StorePool:
             return (not self._health[n].up, n in slow, (busy + 1) * latency, latency)
         return sorted(names, key=score)
 
+    def ranked_up(self, names: Sequence[str]) -> list[str]:
+        """The stores of `names` that are up, best first (`rank`): where a read that is not retried
+        on other replicas goes."""
+        return [n for n in self.rank(names) if self._health[n].up]
+
     def _floor(self, name: str) -> float:
         """What a read of `name` takes at best lately: its fastest recent answered read (the queueing
         of busy moments left out). Before it answered one, what is known: the moving average of its
@@ -816,9 +821,9 @@ class StorePool:
         kernel lost (cpfs/chunk.py, block checks)."""
         if not entry.blocks or entry.codec != "raw" or not 0 <= start < end <= entry.raw_len:
             return None
-        first, lo = start // chunkfmt.BLOCK, start // chunkfmt.BLOCK * chunkfmt.BLOCK
-        hi = min(entry.raw_len, -(-end // chunkfmt.BLOCK) * chunkfmt.BLOCK)
-        up = self.rank([n for n in entry.stores if n in self._stores and self._health[n].up])
+        first = start // chunkfmt.BLOCK
+        lo, hi = first * chunkfmt.BLOCK, min(entry.raw_len, -(-end // chunkfmt.BLOCK) * chunkfmt.BLOCK)
+        up = self.ranked_up(entry.stores)
         if not up:
             return None
         name, key = up[0], chunkfmt.chunk_key(entry.digest)
@@ -855,8 +860,7 @@ class StorePool:
         left = [k for k, e in enumerate(entries) if e.stores]
         batches: list[tuple[str, list[int]]] = []
         while len(left) > 1:
-            order = self.rank(sorted({n for k in left for n in entries[k].stores}))
-            up = [n for n in order if self._health[n].up]
+            up = self.ranked_up(sorted({n for k in left for n in entries[k].stores}))
             if not up:
                 break
             name = max(up, key=lambda n: (sum(n in entries[k].stores for k in left), -up.index(n)))
