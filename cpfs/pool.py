@@ -599,6 +599,15 @@ class StorePool:
         p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)]
         return min(cfg.hedge_max, max(cfg.hedge_min, p95))
 
+    def _queue_wait(self, name: str) -> float:
+        """What the reads queued on `name` explain of a new read's wait there."""
+        return max(self._stores[name].outstanding, self._picked[name]) * self._read_latency(name)
+
+    def _patience(self, name: str, queued: float) -> float:
+        """How long a read of `name` may take before it is slow: its hedge delay, or what the reads
+        queued ahead of it explained when it started (`_queue_wait`), at most hedge_max."""
+        return max(self._hedge_after(name), min(queued, self.config.hedge_max))
+
     async def _read_replicas(self, names: Sequence[str], read: Callable[[str], Awaitable[T]],
                              failed: Callable[[str, Exception], None],
                              then: Callable[[], Sequence[str]] | None = None) -> T:
@@ -643,8 +652,7 @@ class StorePool:
             # bandwidth on a copy; measured with 3 throttled stores, a fifth of a load's reads hedged
             # and 10-25% slower). A straggler's own queue explains its wait too: known-slow ranking
             # keeps first attempts off it instead.
-            m = self._stores[name]
-            queued[name] = max(m.outstanding, self._picked[name]) * self._read_latency(name)
+            queued[name] = self._queue_wait(name)
             self._reads += 1
             self._picked[name] += 1
             running[name] = trio.current_time()
@@ -669,8 +677,7 @@ class StorePool:
                 while running:
                     wait, due = math.inf, math.inf
                     if more and self.config.hedges > 0 and newest in running:
-                        due = max(running[newest] + max(self._hedge_after(newest),
-                                                        min(queued[newest], self.config.hedge_max)), hold)
+                        due = max(running[newest] + self._patience(newest, queued[newest]), hold)
                         if ranked and self._known_slow(ranked[0], names):
                             # A hedge to a known-slow store cannot answer sooner than it takes at best:
                             # asked earlier, it would only hold a hedge (the read may have hung: then it helps).
@@ -815,8 +822,9 @@ class StorePool:
     async def fetch_blocks(self, entry: ChunkEntry, start: int, end: int, where: str) -> tuple[int, bytes] | None:
         """(offset in the chunk, bytes) of the chunk's blocks that cover raw bytes [start, end), each
         checked against the manifest's block checks, from the best-ranked replica that is up (not
-        hedged: a block costs a fraction of a chunk's read). None if the entry has none or is not stored
-        raw, or that replica fails or does not match: the caller then reads the whole chunk
+        hedged: a block costs a fraction of a chunk's read, and its latency would mislead the ranking of
+        chunk reads). None if the entry has none or is not stored raw, or that replica fails, is slower
+        than a hedged read would wait, or does not match: the caller then reads the whole chunk
         (`fetch_chunk`), with its fallbacks, and finds and repairs a corrupt copy. For a few pages the
         kernel lost (cpfs/chunk.py, block checks)."""
         if not entry.blocks or entry.codec != "raw" or not 0 <= start < end <= entry.raw_len:
@@ -829,8 +837,15 @@ class StorePool:
         name, key = up[0], chunkfmt.chunk_key(entry.digest)
         self._block_reads += 1
         try:
-            data = await self._call(name, f"get {key!r} [{lo}:{hi}]",
-                                    lambda s: s.get_range(key, chunkfmt.HEADER_SIZE + lo, hi - lo))
+            # Given up once slower than a chunk read would wait before hedging: the whole-chunk read
+            # that follows hedges, so a hung or straggling store delays a lost page by that much, not
+            # by the store's timeout.
+            patience = self._patience(name, self._queue_wait(name))
+            with trio.move_on_after(patience) as waited:
+                data = await self._call(name, f"get {key!r} [{lo}:{hi}]",
+                                        lambda s: s.get_range(key, chunkfmt.HEADER_SIZE + lo, hi - lo))
+            if waited.cancelled_caught:
+                raise StoreUnavailable(name, f"no answer within {patience:.3f}s")
             if len(data) != hi - lo:
                 raise CorruptChunk(f"chunk {entry.digest[:16]}: {len(data)} bytes at {lo}, expected {hi - lo}")
             await trio.to_thread.run_sync(chunkfmt.check_blocks, data, entry.digest, entry.blocks, first,

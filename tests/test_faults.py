@@ -3,6 +3,7 @@ hung (also a worker thread stuck in the kernel), corrupt copies under dedup, man
 Faults are injected by wrapping stores (FaultyStore) or by the filesystem, never by patching."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -151,6 +152,28 @@ async def test_down_in_config_is_a_drill_not_a_config_error(tmp_path: Path) -> N
 
 
 # ---- a store hung -----------------------------------------------------------------------------------
+
+async def test_a_block_read_from_a_hung_store_gives_up_at_the_hedge_delay(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The replica a block read asks hangs: fetch_blocks gives up after the delay a chunk read would
+    hedge at (hedge_max here: no latencies known yet), not the store's timeout, without marking the
+    store down; the whole-chunk read that follows hedges to the other replica and gets the bytes."""
+    config = dataclasses.replace(_config(tmp_path, timeout=30.0), hedge_max=0.2)
+    faulty = [FaultyStore(s) for s in _folders(config)]
+    data = os.urandom(2 * chunkfmt.BLOCK)
+    entry = await _store(StorePool(config, stores=faulty), data, ["s0", "s1"])
+    entry = dataclasses.replace(entry, blocks=chunkfmt.encode(data).blocks)
+    faulty[0].hang = True
+    pool = StorePool(config, stores=faulty)           # idle: ranks replicas in the entry's order
+    with trio.fail_after(5), caplog.at_level(logging.INFO, logger="cpfs.pool"):
+        t0 = trio.current_time()
+        assert await pool.fetch_blocks(entry, 10, 20, "file /x offset 10 chunk 0") is None
+        assert config.hedge_max <= trio.current_time() - t0 < 2
+        assert await pool.fetch_chunk(entry, "file /x offset 10 chunk 0") == data
+    assert pool.is_up("s0") and pool.replica_statistics().block_misses == 1
+    assert faulty[0].statistics().hung == 2 and pool.replica_statistics().hedges == 1
+    assert any("file /x offset 10 chunk 0" in r.getMessage() and "'s0'" in r.getMessage()
+               and "no answer within 0.200s" in r.getMessage() for r in caplog.records)
 
 async def test_hung_store_fails_over_within_the_timeout(tmp_path: Path) -> None:
     """hang = true on one of three stores: a fetch whose first replica is there answers from the next
