@@ -74,14 +74,17 @@ def main(argv: list[str] | None = None) -> int:
             paths = {"local": ckpt, "cpfs": m.path / DEST}
             for path in paths.values():
                 warm(path)
-            before = mount_stats(m.path)["scheduler"]
+            first = mount_stats(m.path)
+            before = first["scheduler"]
             for i in range(args.repeat):
                 for mm in (False, True):
                     for where, path in paths.items():
                         drop_pages(path, args.holes, seed=2 * i + mm)
                         r = timed_load(path, cold=False, mmap=mm, touch=touch, fingerprint=False)
                         times[(where, mm)].append(r.total_seconds if mm else r.seconds)
-            after = mount_stats(m.path)["scheduler"]
+            last = mount_stats(m.path)
+            after = last["scheduler"]
+            misses = last["replicas"].get("block_misses", 0) - first["replicas"].get("block_misses", 0)
         med = {k: statistics.median(v) for k, v in times.items()}
         remote = (f", stores {args.latency or '0ms'} / {args.bandwidth or 'unlimited'}"
                   if args.latency or args.bandwidth else "")
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         def delta(key: str) -> int:
             return after.get(key, 0) - before.get(key, 0)
         print(f"\nthe daemon over these {loads} loads: fetched {human(delta('fetched_bytes'))} in {delta('reads')} "
-              f"reads ({delta('block_fetches')} served by fetching blocks, {human(delta('block_bytes'))}; "
+              f"reads ({delta('block_fetches')} served by fetching blocks, {human(delta('block_bytes'))}, "
+              f"{misses} block reads that failed, timed out or did not match (their chunks read whole); "
               f"{delta('refilled')} chunks loaded behind them when idle); the file pushed again "
               f"{delta('kernel_drops')} times")
         return 0
