@@ -85,7 +85,7 @@ class ScrubStats:
 
     @property
     def found(self) -> int:
-        """Problems found so far: bad copies, and objects with no good copy."""
+        """Problems found so far: bad copies, objects with no good copy, wrong block checks."""
         return (self.missing + self.corrupt + self.unreachable + self.lost + self.manifest_missing
                 + self.manifest_corrupt + self.manifests_lost + self.block_checks_wrong)
 
