@@ -175,6 +175,7 @@ async def test_a_block_read_from_a_hung_store_gives_up_at_the_hedge_delay(
     assert any("file /x offset 10 chunk 0" in r.getMessage() and "'s0'" in r.getMessage()
                and "no answer within 0.200s" in r.getMessage() for r in caplog.records)
 
+
 async def test_hung_store_fails_over_within_the_timeout(tmp_path: Path) -> None:
     """hang = true on one of three stores: a fetch whose first replica is there answers from the next
     one after about one timeout, and the hung store is marked down; then reads skip it, and listing
