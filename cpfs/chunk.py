@@ -74,21 +74,27 @@ def chunk_check(raw: bytes | memoryview, digest: str) -> int:
     return xxhash.xxh3_64_intdigest(raw, seed=int(digest[:16], 16))
 
 
-def block_checks(raw: bytes | memoryview, digest: str) -> bytes:
-    """The block checks of raw bytes: one little-endian XXH3-64 per BLOCK (the last may be short)."""
-    view, seed = memoryview(raw), int(digest[:16], 16)
+def block_checks(raw: bytes | memoryview, digest: str, first: int = 0) -> bytes:
+    """The block checks of raw bytes that start at block `first` of their chunk: one little-endian
+    XXH3-64 per BLOCK (the last may be short)."""
+    view, seed = memoryview(raw), int(digest[:16], 16) + first
     return b"".join(_WORD.pack(xxhash.xxh3_64_intdigest(view[o:o + BLOCK], seed=(seed + o // BLOCK) % 2**64))
                     for o in range(0, len(view), BLOCK))
 
 
+def differing_blocks(a: bytes, b: bytes) -> list[int]:
+    """The places of the checks that differ between two runs of block checks (one missing differs)."""
+    w = BLOCK_CHECK_SIZE
+    return [k for k in range(-(-max(len(a), len(b)) // w)) if a[k * w:(k + 1) * w] != b[k * w:(k + 1) * w]]
+
+
 def check_blocks(data: bytes | memoryview, digest: str, checks: bytes, first: int) -> None:
     """Raise CorruptChunk unless `data` is blocks first, first+1, ... of the chunk, as `checks` records."""
-    view, seed = memoryview(data), int(digest[:16], 16)
-    for k, o in enumerate(range(0, len(view), BLOCK)):
-        b = first + k
-        if (b + 1) * _WORD.size > len(checks) or xxhash.xxh3_64_intdigest(
-                view[o:o + BLOCK], seed=(seed + b) % 2**64) != _WORD.unpack_from(checks, b * _WORD.size)[0]:
-            raise CorruptChunk(f"chunk {digest[:16]}: block {b} does not match its check")
+    got = block_checks(data, digest, first)
+    want = checks[first * BLOCK_CHECK_SIZE:first * BLOCK_CHECK_SIZE + len(got)]
+    if got != want:
+        b = first + differing_blocks(got, want)[0]
+        raise CorruptChunk(f"chunk {digest[:16]}: block {b} does not match its check")
 
 
 def chunk_key(digest: str) -> str:

@@ -471,18 +471,17 @@ class Scrubber:
 
     async def _compare_blocks(self, digest: str, chunk: _Chunk, checks: bytes) -> None:
         """Report each version whose block checks of the chunk differ from its good copy's (`checks`)."""
-        size = chunkfmt.BLOCK_CHECK_SIZE
+        blocks = len(checks) // chunkfmt.BLOCK_CHECK_SIZE
         for recorded, versions in chunk.blocks.items():
             if recorded == checks:
                 continue
-            n = max(len(recorded), len(checks)) // size
-            wrong = [b for b in range(n) if recorded[b * size:(b + 1) * size] != checks[b * size:(b + 1) * size]]
+            wrong = chunkfmt.differing_blocks(recorded, checks)
             for v in versions:
                 if await self._exists(v.ref.key, v.holders):       # else retired meanwhile
                     self._t.add("block_checks_wrong")
                     self._problem("manifest", "wrong block checks", v.ref.key, "", v.where,
                                   f"chunk {digest[:16]}: block(s) {', '.join(map(str, wrong[:8]))}"
-                                  f"{' ...' if len(wrong) > 8 else ''} of {len(checks) // size} (reads of "
+                                  f"{' ...' if len(wrong) > 8 else ''} of {blocks} (reads of "
                                   "pages the kernel lost fall back to the whole chunk)")
 
     def _short(self, chunk: _Chunk, state: dict[str, str], placement: list[str]) -> int:
