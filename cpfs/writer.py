@@ -601,9 +601,12 @@ class WriteSession:
             with self._pump_scope:
                 async with trio.open_nursery() as uploads:
                     while not self._file.closed:
+                        # Taken first: an upload that ends while this pass awaits (a drop, a slot, a
+                        # scan) fires it, and the pass runs again instead of sleeping past its span.
+                        woken = self._wake.next()
                         if (self._paused or not self._streaming or self._stream_error is not None
                                 or self._poisoned is not None):
-                            await self._wake.wait()
+                            await woken.wait()
                             continue
                         if self._droppable and sum(self._droppable[0]) <= self._scanner.settled_upto:
                             await self._drop_settled()
@@ -615,7 +618,7 @@ class WriteSession:
                         if not scanner.done and scanner.need <= self._frontier:
                             await self._scan(scanner)
                             continue
-                        await self._wake.wait()
+                        await woken.wait()
         except Exception:
             log.exception("%s: write-behind stopped; flush will store the rest", self.path)
         finally:

@@ -7,7 +7,7 @@ import io
 import os
 import random
 import zipfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +103,36 @@ async def stored_bytes(pool: StorePool, manifest: Manifest) -> bytes:
     data = b"".join(parts)
     assert len(data) == manifest.size
     return data
+
+
+async def until(session: WriteSession, condition: Callable[[], bool]) -> None:
+    """Wait for the session's write-behind to get there. The bound guards against a hang, not speed:
+    the stores' fsyncs wait on a disk that the rest of a busy suite shares (ext4 makes an fsync also
+    write out other files' dirty data), and 20 s was once not enough in CI."""
+    with trio.move_on_after(120):
+        while not condition():
+            await trio.sleep(0.01)
+    assert condition(), session.statistics()
+
+
+def staged_bytes(path: Path) -> int:
+    """The bytes a staging file holds: its data ranges, found with SEEK_DATA/SEEK_HOLE. st_blocks would
+    also count the filesystem's own blocks (an extent tree, preallocation) and flake at an exact bound."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size, offset, held = os.fstat(fd).st_size, 0, 0
+        while offset < size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as e:       # ENXIO: only a hole is left
+                if e.errno == errno.ENXIO:
+                    break
+                raise
+            offset = os.lseek(fd, start, os.SEEK_HOLE)
+            held += offset - start
+        return held
+    finally:
+        os.close(fd)
 
 
 async def commit_bytes(env: Env, path: str, data: bytes) -> Manifest:
@@ -222,14 +252,11 @@ async def test_chunks_upload_while_writing_with_bounded_memory(tmp_path: Path) -
     async with open_session(env, "/big.bin") as s:
         for off in range(0, 16 * MiB, step):
             await s.write(off, data[off:off + step])
-        with trio.fail_after(10):  # uploads start while the file is still being written
-            while s.statistics().chunks_streamed == 0:
-                await trio.sleep(0.01)
+        # uploads start while the file is still being written
+        await until(s, lambda: s.statistics().chunks_streamed > 0)
         for off in range(16 * MiB, len(data), step):
             await s.write(off, data[off:off + step])
-        with trio.fail_after(20):
-            while s.statistics().chunks_streamed < 32:
-                await trio.sleep(0.01)
+        await until(s, lambda: s.statistics().chunks_streamed >= 32)
         before_flush = s.statistics()
         m = await s.flush()
         after = s.statistics()
@@ -268,9 +295,9 @@ async def test_stored_records_leave_the_staging_file_and_come_back_when_needed(e
                 await s.write(off, bytes(data[off:off + step]))
                 written = min(len(data), off + step)
                 await trio.sleep(0.005)
-        with trio.fail_after(20):   # what the reader copied back stays
-            while os.stat(s.staging_path).st_blocks * 512 > len(data) // 4 + s.statistics().dropped_fetched * MiB:
-                await trio.sleep(0.01)
+        # what the reader copied back stays
+        await until(s, lambda: staged_bytes(s.staging_path)
+                    <= len(data) // 4 + s.statistics().dropped_fetched * MiB)
         dropped = s.statistics().chunks_dropped
         assert dropped >= 10
         refetched = s.statistics().dropped_fetched        # by the reader
@@ -295,14 +322,46 @@ async def test_a_file_that_is_no_checkpoint_leaves_staging_as_it_is_stored(env: 
     async with open_session(env, "/shard.bin") as s:
         for off in range(0, len(data), 256 * 1024):
             await s.write(off, data[off:off + 256 * 1024])
-        with trio.fail_after(20):
-            while os.stat(s.staging_path).st_blocks * 512 > 2 * MiB:
-                await trio.sleep(0.01)
+        await until(s, lambda: staged_bytes(s.staging_path) <= 2 * MiB)
         m = await s.flush()
         assert await s.read(5 * MiB - 3, 10) == data[5 * MiB - 3:5 * MiB + 7]
         stats = s.statistics()
     assert await stored_bytes(env.pool, m) == data
     assert stats.chunks_dropped >= 10 and stats.dropped_fetched == 2
+
+
+class GatedStore(StoreWrapper):
+    """A store whose puts wait at a gate: the test decides when a batch of uploads ends."""
+
+    def __init__(self, inner, gate: trio.Event) -> None:
+        super().__init__(inner)
+        self.gate = gate
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        await self.gate.wait()
+        await self.inner.put(key, data)
+
+
+async def test_uploads_that_end_while_write_behind_is_busy_are_not_missed(tmp_path: Path) -> None:
+    """Uploads released together end while write-behind drops the first ones from staging; each end
+    must still reach it. It once slept through them until the next write (or flush), so the staging
+    file kept their bytes."""
+    config = load_config(write_config(tmp_path / "cpfs"))
+    for round_ in range(5):
+        gate = trio.Event()
+        pool = StorePool(config, [GatedStore(open_store(s), gate) for s in config.stores])
+        await pool.check()
+        env = Env(config, pool, Catalog(pool), tmp_path / "cpfs" / "staging", tmp_path / "cpfs" / "stores")
+        data = os.urandom(12 * MiB)
+        async with open_session(env, f"/shard{round_}.bin") as s:
+            await s.write(0, data)
+            await until(s, lambda: s.statistics().uploads_in_flight >= 8)
+            gate.set()
+            await until(s, lambda: s.statistics().chunks_streamed == 12)
+            await until(s, lambda: staged_bytes(s.staging_path) <= MiB)   # it takes milliseconds
+            assert staged_bytes(s.staging_path) == MiB    # the first chunk stays
+            m = await s.flush()
+        assert await stored_bytes(env.pool, m) == data
 
 
 async def test_out_of_order_writes_are_staged_and_streamed(env: Env) -> None:
@@ -313,9 +372,7 @@ async def test_out_of_order_writes_are_staged_and_streamed(env: Env) -> None:
         async with trio.open_nursery() as n:  # concurrent, as FUSE handlers may run
             for off in blocks:
                 n.start_soon(s.write, off, data[off:off + 256 * 1024])
-        with trio.fail_after(10):
-            while s.statistics().chunks_streamed < 8:
-                await trio.sleep(0.01)
+        await until(s, lambda: s.statistics().chunks_streamed >= 8)
         m = await s.flush()
     assert await stored_bytes(env.pool, m) == data
 
@@ -324,9 +381,7 @@ async def test_rewrite_after_upload_is_reencoded_at_flush(env: Env) -> None:
     data = bytearray(os.urandom(4 * MiB))
     async with open_session(env, "/rewritten.bin") as s:
         await s.write(0, bytes(data))
-        with trio.fail_after(10):
-            while s.statistics().chunks_streamed < 4:
-                await trio.sleep(0.01)
+        await until(s, lambda: s.statistics().chunks_streamed >= 4)
         await s.write(MiB + 5, b"patched")
         data[MiB + 5:MiB + 12] = b"patched"
         m = await s.flush()
@@ -447,9 +502,7 @@ async def test_rewrite_from_scratch_after_truncate_to_zero(env: Env) -> None:
     first, second = (safetensors.torch.save(model(layers=2, width=128, seed=k)) for k in (1, 2))
     async with open_session(env, "/again.safetensors") as s:
         await s.write(0, first)
-        with trio.fail_after(10):
-            while s.statistics().chunks_streamed == 0:
-                await trio.sleep(0.01)
+        await until(s, lambda: s.statistics().chunks_streamed > 0)
         await s.truncate(0)
         await s.write(0, second)
         m = await s.flush()
