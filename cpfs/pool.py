@@ -836,20 +836,28 @@ class StorePool:
             return None
         name, key = up[0], chunkfmt.chunk_key(entry.digest)
         self._block_reads += 1
+
+        def check(data: bytes | memoryview) -> bytes | memoryview | CorruptChunk:
+            """In the store's read thread. Blocks that do not match are an answer, not a store failure."""
+            try:
+                if len(data) != hi - lo:
+                    raise CorruptChunk(f"chunk {entry.digest[:16]}: {len(data)} bytes at {lo}, expected {hi - lo}")
+                chunkfmt.check_blocks(data, entry.digest, entry.blocks, first)
+            except CorruptChunk as e:
+                return e
+            return data
         try:
             # Given up once slower than a chunk read would wait before hedging: the whole-chunk read
             # that follows hedges, so a hung or straggling store delays a lost page by that much, not
             # by the store's timeout.
             patience = self._patience(name, self._queue_wait(name))
             with trio.move_on_after(patience) as waited:
-                data = await self._call(name, f"get {key!r} [{lo}:{hi}]",
-                                        lambda s: s.get_range(key, chunkfmt.HEADER_SIZE + lo, hi - lo))
+                data = await self._call(name, f"get {key!r} [{lo}:{hi}]", lambda s: s.get_range_with(
+                    key, chunkfmt.HEADER_SIZE + lo, hi - lo, check, self.cpu))
             if waited.cancelled_caught:
                 raise StoreUnavailable(name, f"no answer within {patience:.3f}s")
-            if len(data) != hi - lo:
-                raise CorruptChunk(f"chunk {entry.digest[:16]}: {len(data)} bytes at {lo}, expected {hi - lo}")
-            await trio.to_thread.run_sync(chunkfmt.check_blocks, data, entry.digest, entry.blocks, first,
-                                          limiter=self.cpu)
+            if isinstance(data, CorruptChunk):
+                raise data
         except (StoreError, CorruptChunk) as e:
             # Not marked corrupt: a copy stored lz4 (dedup keeps a copy encoded otherwise) does not
             # match either. The whole-chunk read that follows tells the two apart, and repairs.

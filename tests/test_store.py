@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -85,7 +86,8 @@ async def test_contract_get_many_with(store: Store) -> None:
 
 
 async def test_contract_get_range(store: Store) -> None:
-    """get_range returns exactly the asked bytes, short at the end, empty past it."""
+    """get_range returns exactly the asked bytes, short at the end, empty past it; get_range_with hands
+    them to a function in a worker thread."""
     data = os.urandom(100_000)
     await store.put("k/r", data)
     assert await store.get_range("k/r", 0, 32) == data[:32]
@@ -93,6 +95,24 @@ async def test_contract_get_range(store: Store) -> None:
     assert await store.get_range("k/r", 99_990, 100) == data[99_990:]
     assert await store.get_range("k/r", 100_000, 10) == b""
     assert await store.get_range("k/r", 5, 0) == b""
+
+    # get_range_with: fn gets the same bytes, in a worker thread; what it raises comes out as it is.
+    limiter = trio.CapacityLimiter(2)
+    seen: list[int] = []
+
+    def fn(view: bytes | memoryview) -> bytes:
+        seen.append(threading.get_ident())
+        return bytes(view)
+    assert await store.get_range_with("k/r", 12_345, 54_321, fn, limiter) == data[12_345:12_345 + 54_321]
+    assert await store.get_range_with("k/r", 99_990, 100, fn, limiter) == data[99_990:]
+    assert threading.get_ident() not in seen and len(seen) == 2
+
+    def refuse(view: bytes | memoryview) -> None:
+        raise ValueError(len(view))
+    with pytest.raises(ValueError, match="32"):
+        await store.get_range_with("k/r", 0, 32, refuse, limiter)
+    with pytest.raises(NoSuchObject):
+        await store.get_range_with("k/missing", 0, 32, fn, limiter)
 
 
 async def test_contract_list_is_sorted_and_paged(store: Store) -> None:

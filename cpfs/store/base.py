@@ -85,6 +85,15 @@ class Store(abc.ABC):
         data = await self.get(key)
         return await trio.to_thread.run_sync(fn, data, limiter=limiter)
 
+    async def get_range_with(self, key: str, start: int, length: int, fn: Callable[[bytes | memoryview], T],
+                             limiter: trio.CapacityLimiter) -> T:
+        """fn(`get_range`'s bytes), computed in a worker thread: e.g. check a chunk's blocks. As
+        `get_with`: here the range, then fn in a thread under `limiter`; a kind that reads in a worker
+        thread overrides it to run fn in that thread (one hand-off instead of two, ~0.3 ms of a lost
+        page's 2-3 ms)."""
+        data = await self.get_range(key, start, length)
+        return await trio.to_thread.run_sync(fn, data, limiter=limiter)
+
     async def get_many_with(self, reads: Sequence[tuple[str, Callable[[bytes | memoryview], T]]],
                             limiter: trio.CapacityLimiter) -> list[T | StoreError]:
         """For each (key, fn), fn(the whole object), in order; a key that fails has its StoreError in
@@ -185,6 +194,13 @@ class StoreWrapper(Store):
         if type(self).get is not StoreWrapper.get:
             return await Store.get_with(self, key, fn, limiter)
         return await self.inner.get_with(key, fn, limiter)
+
+    async def get_range_with(self, key: str, start: int, length: int, fn: Callable[[bytes | memoryview], T],
+                             limiter: trio.CapacityLimiter) -> T:
+        """As `get_with`, for `get_range`: the inner store's, unless this wrapper changes `get_range`."""
+        if type(self).get_range is not StoreWrapper.get_range:
+            return await Store.get_range_with(self, key, start, length, fn, limiter)
+        return await self.inner.get_range_with(key, start, length, fn, limiter)
 
     async def get_many_with(self, reads: Sequence[tuple[str, Callable[[bytes | memoryview], T]]],
                             limiter: trio.CapacityLimiter) -> list[T | StoreError]:

@@ -245,11 +245,16 @@ class DirectoryStore(Store):
             os.close(fd)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
+        return await self.get_range_with(key, start, length, lambda data: data, self.limiter)
+
+    async def get_range_with(self, key: str, start: int, length: int, fn: Callable[[bytes | memoryview], T],
+                             limiter: trio.CapacityLimiter) -> T:
+        """The read and fn in one worker thread, under this store's limiter (as `get_with`)."""
         path = self._path(key)
         if start < 0 or length < 0:
             raise StoreError(self.name, f"invalid range {start}+{length} of {key!r}")
         try:
-            return await self._run(self._read_range_sync, path, start, length)
+            return await self._run(lambda: fn(self._read_range_sync(path, start, length)))
         except OSError as e:
             raise self._error(e, key) from None
 

@@ -19,7 +19,7 @@ from .base import ObjectInfo, Sized, Store, StoreWrapper
 
 T = TypeVar("T")
 EWMA_WEIGHT = 0.2       # weight of the newest latency sample
-FETCH_SAMPLES = 256     # recent fetch latencies (get, get_with, get_range) kept for statistics()' p50/p99
+FETCH_SAMPLES = 256     # recent fetch latencies (get, get_range and their _with) kept for statistics()' p50/p99
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,14 @@ class MeteredStore(StoreWrapper):
             data = await self.inner.get_range(key, start, length)
         self.bytes_read += len(data)
         return data
+
+    async def get_range_with(self, key: str, start: int, length: int, fn: Callable[[bytes | memoryview], T],
+                             limiter: trio.CapacityLimiter) -> T:
+        sized = Sized(fn)
+        with _Request(self, fetch=True):
+            result = await self.inner.get_range_with(key, start, length, sized, limiter)
+        self.bytes_read += sized.size
+        return result
 
     async def head(self, key: str) -> int:
         with _Request(self):

@@ -50,6 +50,14 @@ class ThrottledStore(StoreWrapper):
         await self._delay(t0, len(data))
         return data
 
+    async def get_range_with(self, key: str, start: int, length: int, fn: Callable[[bytes | memoryview], T],
+                             limiter: trio.CapacityLimiter) -> T:
+        t0 = trio.current_time()
+        sized = Sized(fn)
+        result = await self.inner.get_range_with(key, start, length, sized, limiter)
+        await self._delay(t0, sized.size)
+        return result
+
     async def head(self, key: str) -> int:
         await self._delay(trio.current_time(), 0)
         return await self.inner.head(key)
