@@ -89,8 +89,8 @@ class Store(abc.ABC):
                              limiter: trio.CapacityLimiter) -> T:
         """fn(`get_range`'s bytes), computed in a worker thread: e.g. check a chunk's blocks. As
         `get_with`: here the range, then fn in a thread under `limiter`; a kind that reads in a worker
-        thread overrides it to run fn in that thread (one hand-off instead of two, ~0.3 ms of a lost
-        page's 2-3 ms)."""
+        thread overrides it to run fn in that thread (one hand-off instead of two: a 256 KiB block
+        from a folder store in memory took 0.45 ms instead of 0.56)."""
         data = await self.get_range(key, start, length)
         return await trio.to_thread.run_sync(fn, data, limiter=limiter)
 
