@@ -165,10 +165,10 @@ async def test_a_block_read_from_a_hung_store_gives_up_at_the_hedge_delay(
     entry = dataclasses.replace(entry, blocks=chunkfmt.encode(data).blocks)
     faulty[0].hang = True
     pool = StorePool(config, stores=faulty)           # idle: ranks replicas in the entry's order
-    with trio.fail_after(5), caplog.at_level(logging.INFO, logger="cpfs.pool"):
+    with trio.fail_after(20), caplog.at_level(logging.INFO, logger="cpfs.pool"):
         t0 = trio.current_time()
         assert await pool.fetch_blocks(entry, 10, 20, "file /x offset 10 chunk 0") is None
-        assert config.hedge_max <= trio.current_time() - t0 < 2
+        assert config.hedge_max <= trio.current_time() - t0 < 10   # 0.2 s, far from the 30 s timeout
         assert await pool.fetch_chunk(entry, "file /x offset 10 chunk 0") == data
     assert pool.is_up("s0") and pool.replica_statistics().block_misses == 1
     assert faulty[0].statistics().hung == 2 and pool.replica_statistics().hedges == 1
