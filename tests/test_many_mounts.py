@@ -101,6 +101,53 @@ def test_two_commits_of_one_path_one_wins_whole(make_config, tmp_path, mount):
     assert cpfs("cat", "/race.pt", config=cfg).stdout in contenders
 
 
+def test_readers_on_another_mount_only_ever_read_whole_versions(make_config, tmp_path, mount):
+    """While one mount rewrites a file twelve times (write_bytes, a temp file renamed over it, truncate
+    and write on an open handle; 1 byte to 12 MiB, random), three readers on another mount open and read
+    it whole again and again, in reads of 4 KiB to 1 MiB: each read gives one version written, whole."""
+    rng = np.random.default_rng(7)
+    cfg = config(make_config, tmp_path, "0.1s")
+    a, b = mount(cfg, "a"), mount(cfg, "b")
+    written = {b"first version" * 1000}
+    (b.path / "f.bin").write_bytes(next(iter(written)))
+    stop, errors, seen = threading.Event(), [], set()
+
+    def reader(size: int) -> None:
+        try:
+            while not stop.is_set():
+                with open(a.path / "f.bin", "rb") as f:
+                    got = b"".join(iter(lambda: f.read(size), b""))
+                assert got in written, f"{len(got)} bytes, no version written"
+                seen.add(got)
+        except BaseException as e:          # reported by the test
+            errors.append(e)
+    threads = [threading.Thread(target=reader, args=(size,)) for size in (4096, 131072, MiB)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(12):
+            data = os.urandom(int(rng.integers(1, 12 * MiB)))
+            written.add(data)                 # before the write: a reader may see it from then on
+            target, how = b.path / "f.bin", i % 3
+            if how == 0:
+                target.write_bytes(data)
+            elif how == 1:
+                (b.path / f".part{i}").write_bytes(data)
+                os.rename(b.path / f".part{i}", target)
+            else:
+                with open(target, "r+b") as f:
+                    f.truncate(0)
+                    f.write(data)
+            time.sleep(float(rng.choice([0.05, 0.2, 0.5])))
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert len(seen) >= 4                     # they did follow the rewrites
+
+
 def test_empty_folders_are_committed_and_seen_by_every_mount(make_config, tmp_path, mount):
     """mkdir commits the folder: another mount (and `cpfs ls`) sees it empty, with its mode; rmdir
     removes it everywhere; a renamed folder keeps its empty subfolders."""
