@@ -82,6 +82,18 @@ def _name(name: bytes) -> str:
     return os.fsdecode(name)
 
 
+def _first_cpfs_error(e: BaseException) -> CpfsError | None:
+    """The first CpfsError of an ExceptionGroup holding nothing else; None otherwise."""
+    if not isinstance(e, BaseExceptionGroup):
+        return None
+    ours, rest = e.split(CpfsError)
+    if ours is None or rest is not None:
+        return None
+    while isinstance(ours, BaseExceptionGroup):
+        ours = ours.exceptions[0]
+    return ours  # type: ignore[return-value]  # split(CpfsError) holds only CpfsErrors
+
+
 def boundary(fn: F) -> F:
     """Map our errors to errno at the FUSE boundary, logging what the caller cannot see."""
 
@@ -100,7 +112,13 @@ def boundary(fn: F) -> F:
         except CpfsError as e:
             log.error("%s failed: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(e.errno) from None
-        except Exception:
+        except Exception as e:
+            # Our errors from tasks of a nursery come in an ExceptionGroup: the first one decides.
+            # Callers raise them as they are (sync.fan_out); this keeps a missed one an errno too.
+            first = _first_cpfs_error(e)
+            if first is not None:
+                log.error("%s failed: %s", fn.__name__, first)
+                raise pyfuse3.FUSEError(first.errno) from None
             log.exception("%s%r failed unexpectedly", fn.__name__, args)
             raise pyfuse3.FUSEError(errno.EIO) from None
 

@@ -664,11 +664,11 @@ class StorePool:
 
         more = True
         hold = -math.inf                  # no hedge before this (the hedge budget was spent)
+        first = next_store()
+        if first is None:
+            raise last                    # here, not in the nursery: it would come out in an ExceptionGroup
         try:
             async with trio.open_nursery() as n:
-                first = next_store()
-                if first is None:
-                    raise last
                 newest = first
                 start(newest)
                 if explore is not None:

@@ -67,6 +67,7 @@ import trio
 
 from .cache import ChunkCache
 from .config import Config
+from .errors import CpfsError
 from .manifest import ChunkEntry, Manifest
 from .pagecache import PageFeeder, Push
 from .sync import fan_out
@@ -928,9 +929,11 @@ class FileReader:
         if len(chunks) == 1:
             await one(0, chunks[0])
         else:
-            async with trio.open_nursery() as n:
-                for k, i in enumerate(chunks):
-                    n.start_soon(one, k, i)
+            # A chunk that cannot be read fails the read with its own error (file, offset, chunk, stores:
+            # the errno at the FUSE boundary), not inside a nursery's ExceptionGroup; the others finish.
+            done = await fan_out(lambda k: one(k, chunks[k]), range(len(chunks)), catch=CpfsError)
+            if done.errors:
+                raise done.errors[0][1]
         for i in chunks:
             if i in self.held:                  # read: the kernel has it now (offered above)
                 self.held.discard(i)

@@ -4,16 +4,19 @@ Faults are injected by wrapping stores (FaultyStore) or by the filesystem, never
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 from pathlib import Path
 
+import pyfuse3
 import pytest
 import trio
 
 from cpfs import chunk as chunkfmt
 from cpfs.config import Config, parse_config
-from cpfs.errors import ChunkUnavailable, StoreError, StoreUnavailable
+from cpfs.errors import ChunkUnavailable, StoreError, StoreFull, StoreUnavailable
+from cpfs.fs import boundary
 from cpfs.manifest import ChunkEntry
 from cpfs.placement import place
 from cpfs.pool import DOWN_AFTER, VERIFY_FULL_MAX, StorePool
@@ -458,3 +461,24 @@ async def test_blocks_of_a_chunk_are_read_alone_and_checked_and_anything_doubtfu
     lying = ChunkEntry(lz4.digest, lz4.raw_len, lz4.stored_len, "raw", ("s0", "s1"), lz4.blocks)
     assert await pool.fetch_blocks(lying, 0, 100, "w") is None
     assert await pool.fetch_chunk(lying, "w") == text
+
+
+async def test_the_fuse_boundary_maps_our_errors_also_from_a_nursery_and_logs_anything_else(caplog) -> None:
+    """An operation's CpfsError becomes its errno with one log line; one that comes from a task of a
+    nursery (an ExceptionGroup holding only ours) too, the first one deciding; anything else is EIO,
+    logged with its traceback as a bug."""
+    class Ops:
+        @boundary
+        async def read(self, raised: BaseException) -> None:
+            raise raised
+
+    cases = [(ChunkUnavailable("file /f offset 0 chunk 0: no replica"), errno.EIO, "no replica"),
+             (ExceptionGroup("tasks", [ExceptionGroup("inner", [StoreFull("s0", "disk full")]),
+                                       ChunkUnavailable("chunk 1")]), errno.ENOSPC, "disk full"),
+             (ExceptionGroup("tasks", [StoreFull("s0", "disk full"), ValueError("a bug")]), errno.EIO,
+              "failed unexpectedly")]
+    for raised, want, logged in cases:
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="cpfs.fs"), pytest.raises(pyfuse3.FUSEError) as e:
+            await Ops().read(raised)
+        assert e.value.errno == want and len(caplog.records) == 1 and logged in caplog.text

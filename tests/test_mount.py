@@ -206,6 +206,7 @@ def test_lost_chunk_gives_eio_and_a_log_line_naming_file_offset_chunk_and_stores
     line = next(ln for ln in log.splitlines() if "no replica of chunk" in ln)
     assert "/run1/deep/er/odd.bin" in line and f"offset {doc['chunks'][0][1]}" in line
     assert "chunk 1" in line and digest[:16] in line and all(s in line for s in stores)
+    assert "unexpectedly" not in log and "Traceback" not in log
 
 
 def test_unmount_ends_the_daemon_with_status_zero(imported, tmp_path):
