@@ -94,6 +94,13 @@ def _first_cpfs_error(e: BaseException) -> CpfsError | None:
     return ours  # type: ignore[return-value]  # split(CpfsError) holds only CpfsErrors
 
 
+def _shown(args: tuple[Any, ...]) -> str:
+    """A request's arguments for a log line: a write's data as its length (a whole buffer, up to
+    1 MiB, made one line of the log 1.5 MB long)."""
+    return ", ".join(f"<{len(a)} bytes>" if isinstance(a, (bytes, bytearray, memoryview)) else repr(a)
+                     for a in args)
+
+
 def boundary(fn: F) -> F:
     """Map our errors to errno at the FUSE boundary, logging what the caller cannot see."""
 
@@ -119,7 +126,7 @@ def boundary(fn: F) -> F:
             if first is not None:
                 log.error("%s failed: %s", fn.__name__, first)
                 raise pyfuse3.FUSEError(first.errno) from None
-            log.exception("%s%r failed unexpectedly", fn.__name__, args)
+            log.exception("%s(%s) failed unexpectedly", fn.__name__, _shown(args))
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper  # type: ignore[return-value]
@@ -135,10 +142,13 @@ class Handle:
 
 @dataclass
 class Writing:
+    """A file's write session and who uses it: its writable handles, and a truncate(2) of a closed file
+    while it runs. The last to leave commits and ends it (`CpfsOperations._leave`)."""
     session: WriteSession
     handles: int = 0
     unlinked: bool = False
     failed: bool = False       # the last flush or fsync failed (and its caller was told)
+    ending: trio.Event | None = None   # set once the last user left and it is being ended; then when ended
 
 
 class CpfsOperations(pyfuse3.Operations):
@@ -485,8 +495,17 @@ class CpfsOperations(pyfuse3.Operations):
     async def _session(self, node: Node, truncate: bool, mode: int | None = None,
                        explicit: bool = False) -> Writing:
         """The node's write session, created on first writable open (from the committed version,
-        unless truncating; `explicit`: a truncate(2), not an O_TRUNC open)."""
+        unless truncating; `explicit`: a truncate(2), not an O_TRUNC open), with one use of it held
+        for the caller (`Writing.handles`), who leaves it with `_leave`.
+
+        The kernel sends a release after close() returned, so the next open of the file may come
+        while the last user's `_leave` still commits and ends the session: it waits for that end and
+        starts from what was committed. The use is taken before any await, so a release meanwhile
+        cannot end the session under the caller."""
         w = self.writing.get(node.ino)
+        if w is not None and w.ending is not None:
+            await w.ending.wait()
+            return await self._session(node, truncate, mode, explicit)
         if w is None:
             assert self.nursery is not None
             base = None if node.summary is None or node.summary.size == 0 else await self._manifest(node)
@@ -502,10 +521,39 @@ class CpfsOperations(pyfuse3.Operations):
             if node.summary is not None:     # the next commit keeps owner, atime and xattrs
                 m = node.summary
                 session.attributes.update(uid=m.uid, gid=m.gid, atime_ns=m.atime_ns, xattrs=m.xattrs, link=m.link)
-            w = self.writing[node.ino] = Writing(session)
-        elif truncate:
-            await w.session.truncate(0)
+            w = self.writing[node.ino] = Writing(session, handles=1)
+            return w
+        w.handles += 1
+        if truncate:
+            try:
+                await w.session.truncate(0)
+            except BaseException:
+                await self._leave(node, w)
+                raise
         return w
+
+    async def _leave(self, node: Node, w: Writing) -> None:
+        """Give back a use of the node's session; the last one commits (normally a no-op: close()
+        committed) and ends it, unless a flush failed (its caller was told: never commit behind it)."""
+        w.handles -= 1
+        if w.handles:
+            return
+        w.ending = trio.Event()
+        try:
+            if not w.failed:
+                await self._commit(node)
+        finally:
+            # Before any await: a request that follows the close() must not find the session or the name.
+            del self.writing[node.ino]
+            if (node.summary is None and not node.broken and not w.unlinked
+                    and self.ns.is_current(node)):
+                self.ns.remove(node)   # never committed: it never existed for anyone else
+            elif w.failed and not w.unlinked:
+                self._invalidate(node.ino)    # the kernel's pages hold bytes that did not commit
+            try:
+                await w.session.aclose()
+            finally:
+                w.ending.set()
 
     @boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -521,8 +569,7 @@ class CpfsOperations(pyfuse3.Operations):
         if node.broken and not flags & os.O_TRUNC:
             raise ManifestError(f"{node.path}: {node.broken}")
         if flags & os.O_ACCMODE != os.O_RDONLY:
-            w = await self._session(node, truncate=bool(flags & os.O_TRUNC))
-            w.handles += 1
+            await self._session(node, truncate=bool(flags & os.O_TRUNC))
             return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, writable=True)), direct_io=False,
                                     keep_cache=True)
         if node.ino in self.writing or node.summary is None:
@@ -564,7 +611,6 @@ class CpfsOperations(pyfuse3.Operations):
             raise
         w.session.set_attributes(**self._owner(parent, ctx))
         self._entries_changed(parent)
-        w.handles += 1
         fh = self._new_handle(Handle(node, writable=True))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self.attributes(node)
 
@@ -609,24 +655,8 @@ class CpfsOperations(pyfuse3.Operations):
             return
         if h.reader is not None:
             await h.reader.aclose()
-        if not h.writable:
-            return
-        w = self.writing[h.node.ino]
-        w.handles -= 1
-        if w.handles:
-            return
-        try:
-            if not w.failed:         # a failed flush was reported to close(): never commit behind it
-                await self._commit(h.node)   # normally a no-op: flush committed at close
-        finally:
-            # Before any await: a request that follows the close() must not find the session or the name.
-            del self.writing[h.node.ino]
-            if (h.node.summary is None and not h.node.broken and not w.unlinked
-                    and self.ns.is_current(h.node)):
-                self.ns.remove(h.node)   # never committed: it never existed for anyone else
-            elif w.failed and not w.unlinked:
-                self._invalidate(h.node.ino)    # the kernel's pages hold bytes that did not commit
-            await w.session.aclose()
+        if h.writable:
+            await self._leave(h.node, self.writing[h.node.ino])
 
     @boundary
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -650,18 +680,18 @@ class CpfsOperations(pyfuse3.Operations):
             if node.is_dir:
                 raise IsADirectory(f"{node.path}: is a folder")
             changes.setdefault("mtime_ns", time.time_ns())
-            w = self.writing.get(inode)
-            if w is None:          # truncate(2) on a closed file: a session of its own, committed now
-                w = await self._session(node, truncate=attr.st_size == 0, explicit=True)
-                try:
-                    await w.session.truncate(attr.st_size)
-                    w.session.set_attributes(**changes)
-                    await self._commit(node)
-                finally:
-                    del self.writing[inode]
-                    await w.session.aclose()
-                return self.attributes(node)
-            await w.session.truncate(attr.st_size)
+            # A use of the file's session while we truncate: of its own for a closed file, committed
+            # as we leave it; else the open one's, whose close commits (as it does if it closes first).
+            w = await self._session(node, truncate=attr.st_size == 0, explicit=True)
+            try:
+                await w.session.truncate(attr.st_size)
+                w.session.set_attributes(**changes)
+            except BaseException:
+                w.failed = w.failed or w.handles == 1    # ours alone: commit nothing
+                raise
+            finally:
+                await self._leave(node, w)
+            return self.attributes(node)
         if changes:
             await self._change(node, **changes)
         return self.attributes(node)
@@ -671,6 +701,9 @@ class CpfsOperations(pyfuse3.Operations):
         committed now; a file open for writing here takes them into its next commit instead."""
         now = time.time_ns()
         w = self.writing.get(node.ino)
+        while w is not None and w.ending is not None:    # its last commit first: the change goes on top
+            await w.ending.wait()
+            w = self.writing.get(node.ino)
         if w is not None:
             w.session.set_attributes(**changes)
         elif node.ino == pyfuse3.ROOT_INODE or (node.summary is not None and not self.ns.is_current(node)):

@@ -482,3 +482,17 @@ async def test_the_fuse_boundary_maps_our_errors_also_from_a_nursery_and_logs_an
         with caplog.at_level(logging.ERROR, logger="cpfs.fs"), pytest.raises(pyfuse3.FUSEError) as e:
             await Ops().read(raised)
         assert e.value.errno == want and len(caplog.records) == 1 and logged in caplog.text
+
+
+async def test_the_fuse_boundary_logs_a_writes_data_as_its_length(caplog) -> None:
+    """A bug in a write is logged with the request's arguments, its data as a length: the whole
+    buffer made one line of the daemon's log 1.5 MB long."""
+    class Ops:
+        @boundary
+        async def write(self, fh: int, off: int, buf: bytes) -> int:
+            raise KeyError(fh)
+
+    with caplog.at_level(logging.ERROR, logger="cpfs.fs"), pytest.raises(pyfuse3.FUSEError) as e:
+        await Ops().write(5, 4096, b"\x00" * (1 << 20))
+    assert e.value.errno == errno.EIO
+    assert caplog.records[0].getMessage() == "write(5, 4096, <1048576 bytes>) failed unexpectedly"
