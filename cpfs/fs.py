@@ -142,13 +142,12 @@ class Handle:
 
 @dataclass
 class Writing:
-    """A file's write session and who uses it: its writable handles, and a truncate(2) of a closed file
-    while it runs. The last to leave commits and ends it (`CpfsOperations._leave`)."""
+    """A file's write session and who uses it: its writable handles, and a truncate(2) or a read while
+    it runs. The last to leave commits and ends it (`CpfsOperations._leave`)."""
     session: WriteSession
-    handles: int = 0
+    users: int = 0             # writable handles, and requests that use it meanwhile
     unlinked: bool = False
     failed: bool = False       # the last flush or fsync failed (and its caller was told)
-    ending: trio.Event | None = None   # set once the last user left and it is being ended; then when ended
 
 
 class CpfsOperations(pyfuse3.Operations):
@@ -165,6 +164,7 @@ class CpfsOperations(pyfuse3.Operations):
         self.nursery: trio.Nursery | None = None      # set by the daemon before requests arrive
         self.handles: dict[int, Handle] = {}
         self.writing: dict[int, Writing] = {}           # inode -> its write session
+        self._settling: dict[int, trio.Event] = {}      # inode -> set when its commit outside a session ends
         self._checked: dict[int, float] = {}            # inode -> when its newest version was looked up
         self._fh = itertools.count(1)
         self._uid, self._gid = os.getuid(), os.getgid()
@@ -496,20 +496,18 @@ class CpfsOperations(pyfuse3.Operations):
                        explicit: bool = False) -> Writing:
         """The node's write session, created on first writable open (from the committed version,
         unless truncating; `explicit`: a truncate(2), not an O_TRUNC open), with one use of it held
-        for the caller (`Writing.handles`), who leaves it with `_leave`.
+        for the caller (`Writing.users`), who leaves it with `_leave`.
 
         The kernel sends a release after close() returned, so the next open of the file may come
-        while the last user's `_leave` still commits and ends the session: it waits for that end and
-        starts from what was committed. The use is taken before any await, so a release meanwhile
-        cannot end the session under the caller."""
+        while the last user's `_leave` still commits and ends the session: it waits for that end (as
+        for a chmod's commit of the closed file: `_settled`) and starts from what was committed. The
+        use is taken before any await, so a release meanwhile cannot end the session under the caller."""
+        await self._settled(node.ino)
         w = self.writing.get(node.ino)
-        if w is not None and w.ending is not None:
-            await w.ending.wait()
-            return await self._session(node, truncate, mode, explicit)
         if w is None:
             assert self.nursery is not None
             base = None if node.summary is None or node.summary.size == 0 else await self._manifest(node)
-            if node.ino in self.writing:       # another open created it while we fetched
+            if node.ino in self.writing or node.ino in self._settling:     # another open or a chmod meanwhile
                 return await self._session(node, truncate, mode, explicit)
             replaces_checkpoint = bool(truncate and not explicit and base and base.tensor_index)
             base = None if truncate else base
@@ -521,9 +519,9 @@ class CpfsOperations(pyfuse3.Operations):
             if node.summary is not None:     # the next commit keeps owner, atime and xattrs
                 m = node.summary
                 session.attributes.update(uid=m.uid, gid=m.gid, atime_ns=m.atime_ns, xattrs=m.xattrs, link=m.link)
-            w = self.writing[node.ino] = Writing(session, handles=1)
+            w = self.writing[node.ino] = Writing(session, users=1)
             return w
-        w.handles += 1
+        w.users += 1
         if truncate:
             try:
                 await w.session.truncate(0)
@@ -535,25 +533,40 @@ class CpfsOperations(pyfuse3.Operations):
     async def _leave(self, node: Node, w: Writing) -> None:
         """Give back a use of the node's session; the last one commits (normally a no-op: close()
         committed) and ends it, unless a flush failed (its caller was told: never commit behind it)."""
-        w.handles -= 1
-        if w.handles:
+        w.users -= 1
+        if w.users:
             return
-        w.ending = trio.Event()
-        try:
-            if not w.failed:
-                await self._commit(node)
-        finally:
-            # Before any await: a request that follows the close() must not find the session or the name.
-            del self.writing[node.ino]
-            if (node.summary is None and not node.broken and not w.unlinked
-                    and self.ns.is_current(node)):
-                self.ns.remove(node)   # never committed: it never existed for anyone else
-            elif w.failed and not w.unlinked:
-                self._invalidate(node.ino)    # the kernel's pages hold bytes that did not commit
+        with self._settling_commit(node.ino):
             try:
-                await w.session.aclose()
+                if not w.failed:
+                    await self._commit(node)
             finally:
-                w.ending.set()
+                # Before any await: a request that follows the close() must not find the session or the name.
+                del self.writing[node.ino]
+                if (node.summary is None and not node.broken and not w.unlinked
+                        and self.ns.is_current(node)):
+                    self.ns.remove(node)   # never committed: it never existed for anyone else
+                elif w.failed and not w.unlinked:
+                    self._invalidate(node.ino)    # the kernel's pages hold bytes that did not commit
+                await w.session.aclose()
+
+    async def _settled(self, ino: int) -> None:
+        """Wait until no commit of the inode outside a write session is under way: a session's end, a
+        closed file's new attributes. Each such commit starts from the version the last one made, so
+        none is lost (a chmod's version made from the version before a save would undo the save)."""
+        while (done := self._settling.get(ino)) is not None:
+            await done.wait()
+
+    @contextlib.contextmanager
+    def _settling_commit(self, ino: int) -> Iterator[None]:
+        """Around such a commit; entered right after `_settled`, with no await between."""
+        assert ino not in self._settling
+        done = self._settling[ino] = trio.Event()
+        try:
+            yield
+        finally:
+            del self._settling[ino]
+            done.set()
 
     @boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -583,9 +596,15 @@ class CpfsOperations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.data is not None:
             return h.data[off:off + size]
+        if h.node.ino in self.writing:
+            await self._settled(h.node.ino)   # the session's end, if under way: then read what it committed
         w = self.writing.get(h.node.ino)
-        if w is not None:
-            return await w.session.read(off, size)       # read-your-writes
+        if w is not None:                      # read-your-writes; a use, so a release cannot end it meanwhile
+            w.users += 1
+            try:
+                return await w.session.read(off, size)
+            finally:
+                await self._leave(h.node, w)
         if h.reader is None or h.reader.m is not h.node.manifest:
             # Opened while the file was being written here, or committed here since: the version
             # this mount now shows (another mount's versions come with a new inode, never here).
@@ -687,7 +706,7 @@ class CpfsOperations(pyfuse3.Operations):
                 await w.session.truncate(attr.st_size)
                 w.session.set_attributes(**changes)
             except BaseException:
-                w.failed = w.failed or w.handles == 1    # ours alone: commit nothing
+                w.failed = w.failed or w.users == 1    # ours alone: commit nothing
                 raise
             finally:
                 await self._leave(node, w)
@@ -700,10 +719,8 @@ class CpfsOperations(pyfuse3.Operations):
         """New attributes (mode, owner, times, xattrs) for a name: a new version with the same content,
         committed now; a file open for writing here takes them into its next commit instead."""
         now = time.time_ns()
+        await self._settled(node.ino)
         w = self.writing.get(node.ino)
-        while w is not None and w.ending is not None:    # its last commit first: the change goes on top
-            await w.ending.wait()
-            w = self.writing.get(node.ino)
         if w is not None:
             w.session.set_attributes(**changes)
         elif node.ino == pyfuse3.ROOT_INODE or (node.summary is not None and not self.ns.is_current(node)):
@@ -712,11 +729,12 @@ class CpfsOperations(pyfuse3.Operations):
             assert node.summary is not None
             node.summary = dataclasses.replace(node.summary, ctime_ns=now, **changes)
         elif node.summary is not None:
-            await self._rewrite(node, ctime_ns=now, **changes)
+            with self._settling_commit(node.ino):
+                await self._rewrite(node, ctime_ns=now, **changes)
         elif node.is_dir:        # a folder implied by its files' paths: committed now, as mkdir does
             first = Manifest(path=node.path, size=0, mtime_ns=now, mode=0o755, chunk_size=self.config.chunk_size,
                              chunks=(), version=0, directory=True, uid=self._uid, gid=self._gid, ctime_ns=now)
-            with self._changing(node.path):
+            with self._changing(node.path), self._settling_commit(node.ino):
                 node.set_version(await self.catalog.commit(dataclasses.replace(first, **changes)))
         else:
             raise ManifestError(f"{node.path}: {node.broken or 'not committed'}")

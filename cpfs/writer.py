@@ -353,6 +353,11 @@ class WriteSession:
             old = self._size
             if size == old:
                 return
+            # No upload starts during the cut, and one reading the cut bytes meanwhile finds the file
+            # short: an answer to drop (as one that a write overlaps is), not a failure that stops
+            # write-behind until the flush.
+            self._paused += 1
+            self._stale_flights(size, old)
             try:
                 if size < old and self._away:
                     await self._before_change(size, old, shrink=True)
@@ -360,6 +365,9 @@ class WriteSession:
             except BaseException as e:
                 self._poison(f"truncate to {size} bytes", e)
                 raise
+            finally:
+                self._paused -= 1
+                self._wake.fire()
             self._size = size
             self._changed(min(old, size), max(old, size))
             if size < old:
@@ -530,6 +538,10 @@ class WriteSession:
             else:
                 keep.append(key)
         self._clean_keys[lo:hi] = keep
+        self._stale_flights(start, end)
+
+    def _stale_flights(self, start: int, end: int) -> None:
+        """Uploads in flight of spans holding bytes of [start, end) store what is no longer there."""
         for (offset, length), flight in self._inflight.items():
             if offset < end and offset + length > start:
                 flight.stale = True

@@ -4,7 +4,10 @@ the same file (a saver rewriting its checkpoint in a loop) can reach the daemon 
 release is still at work."""
 from __future__ import annotations
 
+import logging
 import os
+import random
+import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -145,3 +148,111 @@ async def test_a_truncate_of_a_closed_file_and_an_open_for_writing_share_the_ses
             await ops.release(fh)
             assert got == data[:size], r
         assert not ops.writing and not ops.handles
+
+
+def mode_change(mode: int) -> tuple[pyfuse3.EntryAttributes, SimpleNamespace]:
+    attr = pyfuse3.EntryAttributes()
+    attr.st_mode = stat.S_IFREG | mode
+    fields = SimpleNamespace(update_size=False, update_mode=True, update_uid=False, update_gid=False,
+                             update_atime=False, update_mtime=False, update_ctime=False)
+    return attr, fields
+
+
+def fit(data: bytes, size: int) -> bytes:
+    """`data` truncated (or extended with zeros) to `size`, as truncate(2) leaves it."""
+    return data[:size].ljust(size, b"\0")
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("STRESS_SEEDS", "4"))))
+async def test_random_rounds_of_saves_truncates_chmods_reads_and_late_releases(tmp_path: Path, caplog,
+                                                                               seed: int) -> None:
+    """Model-based, seeded: each round runs at once, each after a random number of scheduler turns,
+    some of: the release of the last round's save (the kernel's late RELEASE), a save of new bytes
+    (open O_TRUNC, writes in pieces, close), a truncate(2), a chmod, a reader. After the round the
+    file must hold what some order of those gives (the save's bytes, truncated by the truncate or
+    not), carry the chmod's mode, and no version may ever have been empty; nothing may fail."""
+    rng = random.Random(seed)
+    ctx = pyfuse3.RequestContext()
+
+    async def turns() -> None:
+        for _ in range(rng.choice([0, 0, 1, 2, 3, 5, 8])):
+            await trio.lowlevel.checkpoint()
+
+    async with operations(tmp_path / "cpfs") as (ops, catalog):
+        fh = (await ops.create(pyfuse3.ROOT_INODE, b"f.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx))[0].fh
+        ino = ops.handles[fh].node.ino
+        content = os.urandom(MiB)
+        await ops.write(fh, 0, content)
+        await ops.flush(fh)
+        pending: int | None = fh                 # a save's handle whose release comes in the next round
+        mode = 0o644
+        with caplog.at_level(logging.WARNING, logger="cpfs"):
+            for r in range(ROUNDS):
+                data = os.urandom(rng.randrange(1, 3 * MiB)) if rng.random() < 0.7 else None
+                size = rng.randrange(1, 3 * MiB) if rng.random() < 0.4 else None
+                new_mode = rng.choice([0o600, 0o640, 0o664]) if rng.random() < 0.3 else None
+                saved: list[int] = []
+                ends: list[int] = []               # where the save's pieces end (a truncate may come between)
+
+                async def release(fh: int) -> None:
+                    await turns()
+                    await ops.release(fh)
+
+                async def save(data: bytes) -> None:
+                    await turns()
+                    fh = (await ops.open(ino, os.O_WRONLY | os.O_TRUNC, ctx)).fh
+                    cuts = sorted(rng.sample(range(1, len(data)), min(3, len(data) - 1))) if len(data) > 1 else []
+                    ends.extend(cuts)
+                    for lo, hi in zip([0, *cuts], [*cuts, len(data)]):
+                        assert await ops.write(fh, lo, data[lo:hi]) == hi - lo
+                        await turns()
+                    await ops.flush(fh)
+                    saved.append(fh)
+
+                async def truncate(size: int) -> None:
+                    await turns()
+                    await ops.setattr(ino, *size_change(size), None, ctx)
+
+                async def chmod(mode: int) -> None:
+                    await turns()
+                    await ops.setattr(ino, *mode_change(mode), None, ctx)
+
+                async def read() -> None:
+                    await turns()
+                    fh = (await ops.open(ino, os.O_RDONLY, ctx)).fh
+                    await ops.read(fh, rng.randrange(3 * MiB), rng.choice([4096, MiB]))
+                    await ops.release(fh)
+
+                async with trio.open_nursery() as n:
+                    if pending is not None:
+                        n.start_soon(release, pending)
+                    if data is not None:
+                        n.start_soon(save, data)
+                    if size is not None:
+                        n.start_soon(truncate, size)
+                    if new_mode is not None:
+                        n.start_soon(chmod, new_mode)
+                    if rng.random() < 0.3:
+                        n.start_soon(read)
+                pending = saved[0] if saved else None
+                if pending is not None and rng.random() < 0.5:
+                    await ops.release(pending)
+                    pending = None
+                base = content if data is None else data
+                allowed = [base] if size is None else [fit(base, size)]
+                if data is not None and size is not None:       # the truncate came before the save ...
+                    allowed += [data, fit(data, max(size, len(data)))]
+                    allowed += [data[:size] + bytes(e - size) + data[e:] for e in ends if e > size]   # ... or amid
+                mode = new_mode if new_mode is not None else mode
+                fh = (await ops.open(ino, os.O_RDONLY, ctx)).fh
+                got = bytes(await ops.read(fh, 0, 4 * MiB))
+                await ops.release(fh)
+                current = await catalog.current("/f.bin")
+                assert got in allowed and current.size == len(got), (r, len(got), [len(a) for a in allowed])
+                assert current.mode == mode, (r, oct(current.mode), oct(mode))
+                assert all(v.summary and v.summary.size > 0 for v in await catalog.history("/f.bin")), r
+                content = got
+            if pending is not None:
+                await ops.release(pending)
+        assert not ops.writing and not ops.handles
+        assert not caplog.records, [rec.getMessage()[:200] for rec in caplog.records]
