@@ -536,6 +536,10 @@ class CpfsOperations(pyfuse3.Operations):
         w.users -= 1
         if w.users:
             return
+        if node.ino in self._settling:         # a rename or an unlink of it under way
+            await self._settled(node.ino)
+            if w.users:
+                return                          # an open joined meanwhile: its last user ends it
         with self._settling_commit(node.ino):
             try:
                 if not w.failed:
@@ -552,20 +556,23 @@ class CpfsOperations(pyfuse3.Operations):
 
     async def _settled(self, ino: int) -> None:
         """Wait until no commit of the inode outside a write session is under way: a session's end, a
-        closed file's new attributes. Each such commit starts from the version the last one made, so
-        none is lost (a chmod's version made from the version before a save would undo the save)."""
+        closed file's new attributes, an unlink, a rename. Each such commit starts from the version the
+        last one made, so none is lost (a chmod's version made from the version before a save would
+        undo the save; one made before a rename would bring back the old name)."""
         while (done := self._settling.get(ino)) is not None:
             await done.wait()
 
     @contextlib.contextmanager
-    def _settling_commit(self, ino: int) -> Iterator[None]:
+    def _settling_commit(self, *inos: int) -> Iterator[None]:
         """Around such a commit; entered right after `_settled`, with no await between."""
-        assert ino not in self._settling
-        done = self._settling[ino] = trio.Event()
+        assert not any(ino in self._settling for ino in inos)
+        done = trio.Event()
+        self._settling.update((ino, done) for ino in inos)
         try:
             yield
         finally:
-            del self._settling[ino]
+            for ino in inos:
+                del self._settling[ino]
             done.set()
 
     @boundary
@@ -869,6 +876,13 @@ class CpfsOperations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         parent = self.ns.node(parent_inode)
         node = self.ns.lookup(parent_inode, _name(name))
+        if node.ino in self._settling:      # a chmod under way commits first: else it would bring the file back
+            await self._settled(node.ino)
+            return await self.unlink(parent_inode, name, ctx)
+        with self._settling_commit(node.ino):
+            await self._unlink(parent, node, name)
+
+    async def _unlink(self, parent: Node, node: Node, name: bytes) -> None:
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
         path = posixpath.join(parent.path, _name(name))
@@ -883,7 +897,7 @@ class CpfsOperations(pyfuse3.Operations):
             if w is not None:
                 w.unlinked = True            # open handles keep working; nothing is committed
             self.ns.remove(node)
-        self._entries_changed(self.ns.node(parent_inode))
+        self._entries_changed(self.ns.node(parent.ino))
 
     async def _unlink_name(self, node: Node, path: str) -> None:
         """One name of a hard-linked file goes, and its other names show the new ctime: one transaction."""
@@ -923,6 +937,10 @@ class CpfsOperations(pyfuse3.Operations):
         target = new_parent.children.get(new_name)
         if target == node.ino:
             return                 # two names of one file: nothing to do (POSIX)
+        for ino in (node.ino, target):
+            if ino in self._settling:       # a chmod under way commits first: else it would undo the move
+                await self._settled(ino)
+                return await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
         t = None if target is None else self.ns.node(target)
         if t is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:
@@ -933,7 +951,8 @@ class CpfsOperations(pyfuse3.Operations):
                 raise NotEmpty(f"{t.path}: not empty")
         old_path, new_path = posixpath.join(old_parent.path, _name(name_old)), posixpath.join(new_parent.path, new_name)
         linked = [*node.names, *(t.names if t is not None and not t.is_dir else [])]
-        with self._changing(old_path, new_path, *linked):
+        with self._changing(old_path, new_path, *linked), \
+                self._settling_commit(node.ino, *([] if target is None else [target])):
             # One transaction for the file, or the folder and every committed name below it: another
             # mount sees the old tree or the new one, never a mix, and a failure changes nothing.
             now = time.time_ns()

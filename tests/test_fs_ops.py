@@ -21,6 +21,7 @@ from conftest import write_config
 from cpfs.cache import ChunkCache
 from cpfs.catalog import Catalog
 from cpfs.config import load_config
+from cpfs.errors import NotFound
 from cpfs.fs import CpfsOperations
 from cpfs.namespace import Namespace
 from cpfs.pool import StorePool
@@ -256,3 +257,41 @@ async def test_random_rounds_of_saves_truncates_chmods_reads_and_late_releases(t
                 await ops.release(pending)
         assert not ops.writing and not ops.handles
         assert not caplog.records, [rec.getMessage()[:200] for rec in caplog.records]
+
+
+@pytest.mark.parametrize("delay", [0, 1, 3])
+async def test_a_chmod_under_way_is_not_overtaken_by_an_unlink_or_a_rename(tmp_path: Path, delay: int) -> None:
+    """A chmod of a closed file commits a new version of its path. A rename that came meanwhile moved
+    the version before it: the renamed file kept its old mode (at each of the 3 delays here), and a chmod
+    committing after the move could bring the old name back; an unlink likewise. Each round races a
+    chmod against an unlink or a rename, `delay` turns apart: neither may undo the other."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path / "cpfs") as (ops, catalog):
+        for r in range(ROUNDS):
+            data = os.urandom(MiB // 2 + r)
+            fh, attrs = await ops.create(pyfuse3.ROOT_INODE, b"a.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
+            await ops.write(fh.fh, 0, data)
+            await ops.flush(fh.fh)
+            await ops.release(fh.fh)
+            renaming = r % 2 == 1
+
+            async def chmod() -> None:
+                await ops.setattr(attrs.st_ino, *mode_change(0o600), None, ctx)
+
+            async def remove() -> None:
+                for _ in range(delay):
+                    await trio.lowlevel.checkpoint()
+                if renaming:
+                    await ops.rename(pyfuse3.ROOT_INODE, b"a.bin", pyfuse3.ROOT_INODE, b"b.bin", 0, ctx)
+                else:
+                    await ops.unlink(pyfuse3.ROOT_INODE, b"a.bin", ctx)
+
+            async with trio.open_nursery() as n:
+                n.start_soon(chmod)
+                n.start_soon(remove)
+            with pytest.raises(NotFound):
+                await catalog.current("/a.bin")
+            if renaming:
+                moved = await catalog.current("/b.bin")
+                assert moved.mode & 0o777 == 0o600 and moved.size == len(data), r
+                await ops.unlink(pyfuse3.ROOT_INODE, b"b.bin", ctx)
