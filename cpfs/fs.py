@@ -1032,6 +1032,7 @@ class CpfsOperations(pyfuse3.Operations):
         """A hard link: every name of the file gets the same manifest with one `link` id, in one
         transaction (and so does every later commit of the file, see WriteSession.also). The kernel
         refuses folders and checks permissions and the name's absence itself."""
+        await self._settled(inode)          # a chmod, rename or session's end first: link what it made
         node = self.ns.node(inode)
         parent = self.ns.node(new_parent_inode)
         name = _name(new_name)
@@ -1048,8 +1049,8 @@ class CpfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         path = posixpath.join(parent.path, name)
         link = node.summary.link or secrets.token_hex(8)
-        m = dataclasses.replace(await self._manifest(node), link=link, ctime_ns=time.time_ns())
-        with self._changing(*node.names, path):
+        with self._changing(*node.names, path), self._settling_commit(inode):
+            m = dataclasses.replace(await self._manifest(node), link=link, ctime_ns=time.time_ns())
             committed = await self.catalog.transact(m.at([*node.names, path]))
             if (other := parent.children.get(name)) is not None:    # a listing showed it meanwhile
                 self._drop(self.ns.node(other), path)
