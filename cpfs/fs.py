@@ -876,7 +876,7 @@ class CpfsOperations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         parent = self.ns.node(parent_inode)
         node = self.ns.lookup(parent_inode, _name(name))
-        if node.ino in self._settling:      # a chmod under way commits first: else it would bring the file back
+        if node.ino in self._settling:      # a commit of it under way (a chmod) first: else it could bring the file back
             await self._settled(node.ino)
             return await self.unlink(parent_inode, name, ctx)
         with self._settling_commit(node.ino):
@@ -938,7 +938,7 @@ class CpfsOperations(pyfuse3.Operations):
         if target == node.ino:
             return                 # two names of one file: nothing to do (POSIX)
         for ino in (node.ino, target):
-            if ino in self._settling:       # a chmod under way commits first: else it would undo the move
+            if ino in self._settling:       # a commit of it under way (a chmod) first: else it could undo the move
                 await self._settled(ino)
                 return await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
         t = None if target is None else self.ns.node(target)

@@ -99,12 +99,16 @@ async def test_an_open_that_meets_the_last_release_of_a_rewritten_file_writes_an
         assert not ops.writing and not ops.handles
 
 
-def size_change(size: int) -> tuple[pyfuse3.EntryAttributes, SimpleNamespace]:
-    """setattr's arguments for truncate(2) to `size` (the fields as the kernel sets them)."""
+def change(size: int | None = None, mode: int | None = None) -> tuple[pyfuse3.EntryAttributes, SimpleNamespace]:
+    """setattr's arguments for truncate(2) to `size` or chmod to `mode` (the fields as the kernel
+    sets them)."""
     attr = pyfuse3.EntryAttributes()
-    attr.st_size = size
-    fields = SimpleNamespace(update_size=True, update_mode=False, update_uid=False, update_gid=False,
-                             update_atime=False, update_mtime=False, update_ctime=False)
+    if size is not None:
+        attr.st_size = size
+    if mode is not None:
+        attr.st_mode = stat.S_IFREG | mode
+    fields = SimpleNamespace(update_size=size is not None, update_mode=mode is not None, update_uid=False,
+                             update_gid=False, update_atime=False, update_mtime=False, update_ctime=False)
     return attr, fields
 
 
@@ -129,7 +133,7 @@ async def test_a_truncate_of_a_closed_file_and_an_open_for_writing_share_the_ses
             async def truncate() -> None:
                 for _ in range(delay):
                     await trio.lowlevel.checkpoint()
-                await ops.setattr(ino, *size_change(half), None, pyfuse3.RequestContext())
+                await ops.setattr(ino, *change(size=half), None, pyfuse3.RequestContext())
 
             async def next_save(data: bytes = data) -> None:
                 fhs.append(await save(ops, ino, data))
@@ -149,14 +153,6 @@ async def test_a_truncate_of_a_closed_file_and_an_open_for_writing_share_the_ses
             await ops.release(fh)
             assert got == data[:size], r
         assert not ops.writing and not ops.handles
-
-
-def mode_change(mode: int) -> tuple[pyfuse3.EntryAttributes, SimpleNamespace]:
-    attr = pyfuse3.EntryAttributes()
-    attr.st_mode = stat.S_IFREG | mode
-    fields = SimpleNamespace(update_size=False, update_mode=True, update_uid=False, update_gid=False,
-                             update_atime=False, update_mtime=False, update_ctime=False)
-    return attr, fields
 
 
 def fit(data: bytes, size: int) -> bytes:
@@ -212,11 +208,11 @@ async def test_random_rounds_of_saves_truncates_chmods_reads_and_late_releases(t
 
                 async def truncate(size: int) -> None:
                     await turns()
-                    await ops.setattr(ino, *size_change(size), None, ctx)
+                    await ops.setattr(ino, *change(size=size), None, ctx)
 
                 async def chmod(mode: int) -> None:
                     await turns()
-                    await ops.setattr(ino, *mode_change(mode), None, ctx)
+                    await ops.setattr(ino, *change(mode=mode), None, ctx)
 
                 async def read() -> None:
                     await turns()
@@ -276,7 +272,7 @@ async def test_a_chmod_under_way_is_not_overtaken_by_an_unlink_or_a_rename(tmp_p
             renaming = r % 2 == 1
 
             async def chmod() -> None:
-                await ops.setattr(attrs.st_ino, *mode_change(0o600), None, ctx)
+                await ops.setattr(attrs.st_ino, *change(mode=0o600), None, ctx)
 
             async def remove() -> None:
                 for _ in range(delay):

@@ -663,3 +663,35 @@ def test_chmod_utime_truncate_reach_other_mounts(make_config, tmp_path, mount):
     st = (mount(cfg, "c").path / "f.bin").stat()
     # truncate after utime commits a new version: its mtime is the truncate's, not older than utime's
     assert st.st_mtime_ns >= 1_600_000_000_000_000_000
+
+
+def test_a_file_rewritten_while_another_thread_chmods_it_keeps_every_save(make_config, tmp_path, mount):
+    """A saver rewrites one file (open O_TRUNC, write, close) while another thread chmods it. The
+    kernel sends each close's RELEASE after close() returned; the next save's open could join the
+    session that release was ending, and its write failed (EIO, at once here before the fix); a
+    chmod's version made before a save could land after it. Every save reads back as written, and
+    the file ends with the last save's bytes and the last chmod's mode."""
+    m = mount(make_config(chunk_size="1MiB"))
+    f = m.path / "f.bin"
+    f.write_bytes(b"x" * MiB)
+    stop = threading.Event()
+    modes: list[int] = []
+
+    def chmods() -> None:
+        while not stop.is_set():
+            mode = [0o600, 0o640, 0o644][len(modes) % 3]
+            os.chmod(f, mode)
+            modes.append(mode)
+
+    t = threading.Thread(target=chmods)
+    t.start()
+    try:
+        for i in range(100):
+            data = os.urandom(MiB + i * 4099)
+            f.write_bytes(data)
+            assert f.read_bytes() == data, i
+    finally:
+        stop.set()
+        t.join()
+    assert f.read_bytes() == data and os.stat(f).st_mode & 0o777 == modes[-1] and len(modes) > 10
+    assert "unexpectedly" not in m.log.read_text()
