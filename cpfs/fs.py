@@ -651,13 +651,17 @@ class CpfsOperations(pyfuse3.Operations):
             return
         w.session.path, w.session.also = node.path, list(node.aliases)
         with self._changing(*node.names):
+            commits = w.session.statistics().commits
             try:
                 manifest = await w.session.flush(closing=closing)
             except BaseException:
                 w.failed = True
                 raise
             w.failed = False
-            if manifest is not None:
+            # Only a version this flush made: one with nothing new returns the session's last commit,
+            # which a rename since may have replaced (a file written under a temporary name, then
+            # renamed while the kernel's release of it was on its way).
+            if manifest is not None and w.session.statistics().commits > commits:
                 node.set_version(manifest)
 
     @boundary

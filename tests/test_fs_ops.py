@@ -291,3 +291,30 @@ async def test_a_chmod_under_way_is_not_overtaken_by_an_unlink_or_a_rename(tmp_p
                 moved = await catalog.current("/b.bin")
                 assert moved.mode & 0o777 == 0o600 and moved.size == len(data), r
                 await ops.unlink(pyfuse3.ROOT_INODE, b"b.bin", ctx)
+
+
+@pytest.mark.parametrize("delay", [0, 1, 3, 6])
+async def test_a_file_saved_under_a_temporary_name_shows_its_renamed_version(tmp_path: Path, delay: int) -> None:
+    """Write `tmp`, close, rename it to `final` (how many savers make a save atomic), with the
+    kernel's release of `tmp` arriving `delay` turns after the rename started. The release's flush
+    has nothing new and returned the session's last commit, the `tmp` version, which the file then
+    showed again (at 3 or 4 of the 4 delays on the code before): `final` read through the manifest of a version
+    of `tmp`, a name that no longer exists."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path / "cpfs") as (ops, catalog):
+        data = os.urandom(MiB)
+        fi, attrs = await ops.create(pyfuse3.ROOT_INODE, b"tmp", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
+        await ops.write(fi.fh, 0, data)
+        await ops.flush(fi.fh)
+
+        async def release() -> None:
+            for _ in range(delay):
+                await trio.lowlevel.checkpoint()
+            await ops.release(fi.fh)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(ops.rename, pyfuse3.ROOT_INODE, b"tmp", pyfuse3.ROOT_INODE, b"final", 0, ctx)
+            n.start_soon(release)
+        shown, current = ops.ns.node(attrs.st_ino).summary, await catalog.current("/final")
+        assert shown is not None and (shown.path, shown.order) == ("/final", current.order)
+        assert (await ops.lookup(pyfuse3.ROOT_INODE, b"final", ctx)).st_ino == attrs.st_ino
