@@ -4,12 +4,12 @@ they were healthy is read at random, with the page cache dropped now and then, w
 rewritten. A read gives the source's bytes, a short read of them (a later part of a long read failed),
 or EIO with a log line; never other bytes, never a crash of an operation. A rewrite either commits
 whole or fails (EIO) and leaves the previous version current; a fresh mount over the healthy stores
-then reads exactly what was last committed. It once showed a read over several chunks, one of them
-unreadable, logged as a crash (an ExceptionGroup from the reader's nursery).
+then reads exactly what was last committed. It showed a read over several chunks, one of them
+unreadable, logged as a crash (an ExceptionGroup from the reader's nursery), and an open for writing
+that met the last release of the file (the kernel sends it after close() returned) left without a
+session, after the release had committed the open's truncation (tests/test_fs_ops.py).
 
-Opt-in (`FAULT_STRESS_SEEDS=N` runs N seeds; make test runs none): 93 seeds passed here, but one failed
-once, early, in a run whose output was lost, and it did not come back in the runs after; until that
-is understood it stays out of CI."""
+`FAULT_STRESS_SEEDS=N` runs N seeds (make test: 3). With those fixes, 200 seeds passed here."""
 from __future__ import annotations
 
 import errno
@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import cpfs
 
 MiB = 1 << 20
-SEEDS = range(int(os.environ.get("FAULT_STRESS_SEEDS", "0")))
+SEEDS = range(int(os.environ.get("FAULT_STRESS_SEEDS", "3")))
 FAULTS = {"s0": "error_rate = 0.5\ncorrupt_rate = 0.3", "s1": "corrupt_rate = 0.2",
           "s2": "error_rate = 0.3\ncorrupt_rate = 0.2"}
 
@@ -37,6 +37,17 @@ def faulty_config(clean: Path, seed: int) -> Path:
     return path
 
 
+def open_eventually(path: Path) -> int:
+    """Open the file for reading. Its manifest has 2 copies, each read once per open: when both
+    answers fail (~9% here) the open fails with EIO, and the next open reads them again."""
+    for _ in range(20):
+        try:
+            return os.open(path, os.O_RDONLY)
+        except OSError as e:
+            assert e.errno == errno.EIO, e
+    raise AssertionError(f"{path}: 20 opens failed")
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_reads_and_rewrites_over_failing_and_corrupting_stores_never_give_other_bytes(
         make_config, mount, tmp_path: Path, seed: int) -> None:
@@ -48,7 +59,7 @@ def test_reads_and_rewrites_over_failing_and_corrupting_stores_never_give_other_
     m = mount(faulty_config(clean, seed))
 
     answered = failed = 0
-    fd = os.open(m.path / "d.bin", os.O_RDONLY)
+    fd = open_eventually(m.path / "d.bin")
     try:
         for _ in range(200):
             offset, n = rng.randrange(len(data)), rng.choice([4096, 65536, MiB, 3 * MiB])
