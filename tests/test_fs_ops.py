@@ -1,7 +1,8 @@
 """The FUSE operations in-process, without a kernel: orders of requests that a mount produces only now and
 then. The kernel sends RELEASE after close() has returned, without waiting for it, so the next open of
 the same file (a saver rewriting its checkpoint in a loop) can reach the daemon while the last one's
-release is still at work."""
+release is still at work; a chmod, a rename or a truncate from another thread can come amid a save.
+Each must start from what the one before committed (CpfsOperations._settled)."""
 from __future__ import annotations
 
 import logging
@@ -50,9 +51,9 @@ async def operations(folder: Path) -> AsyncIterator[tuple[CpfsOperations, Catalo
         n.cancel_scope.cancel()
 
 
-async def save(ops: CpfsOperations, ino: int, data: bytes, flags: int = os.O_WRONLY | os.O_TRUNC) -> int:
-    """open, write, close() (the flush, which commits); the release is the caller's."""
-    fh = (await ops.open(ino, flags, pyfuse3.RequestContext())).fh
+async def save(ops: CpfsOperations, ino: int, data: bytes) -> int:
+    """open O_TRUNC, write, close() (the flush, which commits); the release is the caller's."""
+    fh = (await ops.open(ino, os.O_WRONLY | os.O_TRUNC, pyfuse3.RequestContext())).fh
     assert await ops.write(fh, 0, data) == len(data)
     await ops.flush(fh)
     return fh
@@ -167,7 +168,8 @@ async def test_random_rounds_of_saves_truncates_chmods_reads_and_late_releases(t
     some of: the release of the last round's save (the kernel's late RELEASE), a save of new bytes
     (open O_TRUNC, writes in pieces, close), a truncate(2), a chmod, a reader. After the round the
     file must hold what some order of those gives (the save's bytes, truncated by the truncate or
-    not), carry the chmod's mode, and no version may ever have been empty; nothing may fail."""
+    not), carry the chmod's mode, and no version may ever have been empty; nothing may fail. Trio
+    orders the tasks of a batch at random, so a seed picks the operations but does not replay a run."""
     rng = random.Random(seed)
     ctx = pyfuse3.RequestContext()
 
@@ -195,7 +197,7 @@ async def test_random_rounds_of_saves_truncates_chmods_reads_and_late_releases(t
                     await turns()
                     await ops.release(fh)
 
-                async def save(data: bytes) -> None:
+                async def save_in_pieces(data: bytes) -> None:
                     await turns()
                     fh = (await ops.open(ino, os.O_WRONLY | os.O_TRUNC, ctx)).fh
                     cuts = sorted(rng.sample(range(1, len(data)), min(3, len(data) - 1))) if len(data) > 1 else []
@@ -224,7 +226,7 @@ async def test_random_rounds_of_saves_truncates_chmods_reads_and_late_releases(t
                     if pending is not None:
                         n.start_soon(release, pending)
                     if data is not None:
-                        n.start_soon(save, data)
+                        n.start_soon(save_in_pieces, data)
                     if size is not None:
                         n.start_soon(truncate, size)
                     if new_mode is not None:
