@@ -3,7 +3,9 @@ of preads (4 KiB to 3 MiB), sequential runs that start streams (and pushes into 
 dropped with fadvise and read again, mmap reads and pauses, with a daemon cache smaller than the file.
 Every read must equal the source's bytes. Dropped pages of pushed chunks come back as lost pages, read
 from their blocks (StorePool.fetch_blocks) when the cache let their chunk go: the test requires that
-path taken and never missed. `STRESS_SEEDS=10` runs more seeds."""
+path taken, and every block read that fell back to the whole chunk to be one that took longer than
+a hedged read waits (a loaded machine), never blocks that did not match. `STRESS_SEEDS=10` runs more
+seeds."""
 from __future__ import annotations
 
 import json
@@ -74,4 +76,7 @@ def test_concurrent_random_reads_and_lost_pages_through_a_mount_give_the_source_
     assert not errors, errors[:3]
     assert (m.path / "d.bin").read_bytes() == data
     replicas = json.loads(cpfs("stats", str(m.path), "--json", config=cfg).stdout)["replicas"]
-    assert replicas["block_reads"] > 0 and replicas["block_misses"] == 0, replicas
+    assert replicas["block_reads"] > replicas["block_misses"], replicas
+    misses = [line for line in m.log.read_text().splitlines() if "reading the whole chunk" in line]
+    assert len(misses) == replicas["block_misses"], replicas
+    assert all("no answer within" in line for line in misses), misses[:3]
