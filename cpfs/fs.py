@@ -536,10 +536,8 @@ class CpfsOperations(pyfuse3.Operations):
         w.users -= 1
         if w.users:
             return
-        if node.ino in self._settling:         # a rename or an unlink of it under way
-            await self._settled(node.ino)
-            if w.users:
-                return                          # an open joined meanwhile: its last user ends it
+        if await self._settled(node.ino) and w.users:   # a rename or an unlink of it was under way ...
+            return                                        # ... and an open joined meanwhile: it ends it
         with self._settling_commit(node.ino):
             try:
                 if not w.failed:
@@ -554,13 +552,17 @@ class CpfsOperations(pyfuse3.Operations):
                     self._invalidate(node.ino)    # the kernel's pages hold bytes that did not commit
                 await w.session.aclose()
 
-    async def _settled(self, ino: int) -> None:
-        """Wait until no commit of the inode outside a write session is under way: a session's end, a
-        closed file's new attributes, an unlink, a rename. Each such commit starts from the version the
-        last one made, so none is lost (a chmod's version made from the version before a save would
-        undo the save; one made before a rename would bring back the old name)."""
-        while (done := self._settling.get(ino)) is not None:
+    async def _settled(self, *inos: int | None) -> bool:
+        """Wait until no commit of these inodes outside a write session is under way: a session's end,
+        a closed file's new attributes, an unlink, a rename, a link. Each such commit starts from the
+        version the last one made, so none is lost (a chmod's version made from the version before a
+        save would undo the save; one made before a rename would bring back the old name). Whether it
+        waited: then what the caller looked up before may have changed."""
+        waited = False
+        while (done := next((self._settling[i] for i in inos if i in self._settling), None)) is not None:
             await done.wait()
+            waited = True
+        return waited
 
     @contextlib.contextmanager
     def _settling_commit(self, *inos: int) -> Iterator[None]:
@@ -880,8 +882,8 @@ class CpfsOperations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         parent = self.ns.node(parent_inode)
         node = self.ns.lookup(parent_inode, _name(name))
-        if node.ino in self._settling:      # a commit of it under way (a chmod) first: else it could bring the file back
-            await self._settled(node.ino)
+        # A commit of it under way (a chmod) goes first: made from the version before, it would undo us.
+        if await self._settled(node.ino):
             return await self.unlink(parent_inode, name, ctx)
         with self._settling_commit(node.ino):
             await self._unlink(parent, node, name)
@@ -941,10 +943,9 @@ class CpfsOperations(pyfuse3.Operations):
         target = new_parent.children.get(new_name)
         if target == node.ino:
             return                 # two names of one file: nothing to do (POSIX)
-        for ino in (node.ino, target):
-            if ino in self._settling:       # a commit of it under way (a chmod) first: else it could undo the move
-                await self._settled(ino)
-                return await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
+        # A commit of either under way (a chmod) goes first: made from the version before, it would undo us.
+        if await self._settled(node.ino, target):
+            return await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
         t = None if target is None else self.ns.node(target)
         if t is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:

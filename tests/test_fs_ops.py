@@ -51,6 +51,12 @@ async def operations(folder: Path) -> AsyncIterator[tuple[CpfsOperations, Catalo
         n.cancel_scope.cancel()
 
 
+async def turns(n: int) -> None:
+    """Let the scheduler run n times (other tasks move on meanwhile)."""
+    for _ in range(n):
+        await trio.lowlevel.checkpoint()
+
+
 async def save(ops: CpfsOperations, ino: int, data: bytes) -> int:
     """open O_TRUNC, write, close() (the flush, which commits); the release is the caller's."""
     fh = (await ops.open(ino, os.O_WRONLY | os.O_TRUNC, pyfuse3.RequestContext())).fh
@@ -78,8 +84,7 @@ async def test_an_open_that_meets_the_last_release_of_a_rewritten_file_writes_an
             fhs: list[int] = []
 
             async def release_late(fh: int = fh) -> None:
-                for _ in range(delay):
-                    await trio.lowlevel.checkpoint()
+                await turns(delay)
                 await ops.release(fh)
 
             async def next_save(data: bytes = data) -> None:
@@ -132,8 +137,7 @@ async def test_a_truncate_of_a_closed_file_and_an_open_for_writing_share_the_ses
             fhs: list[int] = []
 
             async def truncate() -> None:
-                for _ in range(delay):
-                    await trio.lowlevel.checkpoint()
+                await turns(delay)
                 await ops.setattr(ino, *change(size=half), None, pyfuse3.RequestContext())
 
             async def next_save(data: bytes = data) -> None:
@@ -173,9 +177,8 @@ async def test_random_rounds_of_saves_truncates_chmods_reads_and_late_releases(t
     rng = random.Random(seed)
     ctx = pyfuse3.RequestContext()
 
-    async def turns() -> None:
-        for _ in range(rng.choice([0, 0, 1, 2, 3, 5, 8])):
-            await trio.lowlevel.checkpoint()
+    async def pause() -> None:
+        await turns(rng.choice([0, 0, 1, 2, 3, 5, 8]))
 
     async with operations(tmp_path / "cpfs") as (ops, catalog):
         fh = (await ops.create(pyfuse3.ROOT_INODE, b"f.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx))[0].fh
@@ -194,30 +197,30 @@ async def test_random_rounds_of_saves_truncates_chmods_reads_and_late_releases(t
                 ends: list[int] = []               # where the save's pieces end (a truncate may come between)
 
                 async def release(fh: int) -> None:
-                    await turns()
+                    await pause()
                     await ops.release(fh)
 
                 async def save_in_pieces(data: bytes) -> None:
-                    await turns()
+                    await pause()
                     fh = (await ops.open(ino, os.O_WRONLY | os.O_TRUNC, ctx)).fh
                     cuts = sorted(rng.sample(range(1, len(data)), min(3, len(data) - 1))) if len(data) > 1 else []
                     ends.extend(cuts)
                     for lo, hi in zip([0, *cuts], [*cuts, len(data)]):
                         assert await ops.write(fh, lo, data[lo:hi]) == hi - lo
-                        await turns()
+                        await pause()
                     await ops.flush(fh)
                     saved.append(fh)
 
                 async def truncate(size: int) -> None:
-                    await turns()
+                    await pause()
                     await ops.setattr(ino, *change(size=size), None, ctx)
 
                 async def chmod(mode: int) -> None:
-                    await turns()
+                    await pause()
                     await ops.setattr(ino, *change(mode=mode), None, ctx)
 
                 async def read() -> None:
-                    await turns()
+                    await pause()
                     fh = (await ops.open(ino, os.O_RDONLY, ctx)).fh
                     await ops.read(fh, rng.randrange(3 * MiB), rng.choice([4096, MiB]))
                     await ops.release(fh)
@@ -277,8 +280,7 @@ async def test_a_chmod_under_way_is_not_overtaken_by_an_unlink_or_a_rename(tmp_p
                 await ops.setattr(attrs.st_ino, *change(mode=0o600), None, ctx)
 
             async def remove() -> None:
-                for _ in range(delay):
-                    await trio.lowlevel.checkpoint()
+                await turns(delay)
                 if renaming:
                     await ops.rename(pyfuse3.ROOT_INODE, b"a.bin", pyfuse3.ROOT_INODE, b"b.bin", 0, ctx)
                 else:
@@ -310,8 +312,7 @@ async def test_a_file_saved_under_a_temporary_name_shows_its_renamed_version(tmp
         await ops.flush(fi.fh)
 
         async def release() -> None:
-            for _ in range(delay):
-                await trio.lowlevel.checkpoint()
+            await turns(delay)
             await ops.release(fi.fh)
 
         async with trio.open_nursery() as n:
