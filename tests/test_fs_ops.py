@@ -27,16 +27,21 @@ from cpfs.fs import CpfsOperations
 from cpfs.namespace import Namespace
 from cpfs.pool import StorePool
 from cpfs.readahead import Scheduler
+from cpfs.store import FaultyStore, open_store
 
 MiB = 1 << 20
 ROUNDS = 40
 
 
 @asynccontextmanager
-async def operations(folder: Path) -> AsyncIterator[tuple[CpfsOperations, Catalog]]:
-    """The daemon's stack (cpfs/daemon.py: serve) over folder stores, without pyfuse3.main."""
+async def operations(folder: Path, faulty: list[FaultyStore] | None = None
+                     ) -> AsyncIterator[tuple[CpfsOperations, Catalog]]:
+    """The daemon's stack (cpfs/daemon.py: serve) over folder stores, without pyfuse3.main; with
+    `faulty` (an empty list to fill), each store wrapped in a FaultyStore the test can turn down."""
     config = load_config(write_config(folder, chunk_size="1MiB"))
-    pool = StorePool(config)
+    if faulty is not None:
+        faulty.extend(FaultyStore(open_store(s)) for s in config.stores)
+    pool = StorePool(config, stores=faulty)
     await pool.check()
     catalog = Catalog(pool)
     sched = Scheduler(ChunkCache(config.cache_memory), pool.fetch_chunk, config, fetch_many=pool.fetch_chunks,
@@ -46,6 +51,7 @@ async def operations(folder: Path) -> AsyncIterator[tuple[CpfsOperations, Catalo
     ops = CpfsOperations(Namespace(await catalog.load_all()), sched, catalog, config, staging)
     async with trio.open_nursery() as n:
         ops.nursery = n
+        await n.start(pool.run)         # store health: probes stores marked down until they answer
         await n.start(sched.run)
         yield ops, catalog
         n.cancel_scope.cancel()
@@ -321,3 +327,34 @@ async def test_a_file_saved_under_a_temporary_name_shows_its_renamed_version(tmp
         shown, current = ops.ns.node(attrs.st_ino).summary, await catalog.current("/final")
         assert shown is not None and (shown.path, shown.order) == ("/final", current.order)
         assert (await ops.lookup(pyfuse3.ROOT_INODE, b"final", ctx)).st_ino == attrs.st_ino
+
+
+async def test_a_truncate_of_a_closed_file_that_cannot_commit_leaves_the_previous_version(tmp_path: Path) -> None:
+    """truncate(2) of a closed file commits as its session's last user leaves it. With two of three
+    stores down (below write quorum) that commit fails: the truncate fails with an errno, and the
+    previous version stays current and readable, whole. Once the stores are back, it truncates."""
+    ctx = pyfuse3.RequestContext()
+    faulty: list[FaultyStore] = []
+    async with operations(tmp_path / "cpfs", faulty) as (ops, catalog):
+        data = os.urandom(3 * MiB)
+        fi, attrs = await ops.create(pyfuse3.ROOT_INODE, b"f.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
+        await ops.write(fi.fh, 0, data)
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+        before = await catalog.current("/f.bin")
+        faulty[0].down = faulty[1].down = True
+        with pytest.raises(pyfuse3.FUSEError):
+            await ops.setattr(attrs.st_ino, *change(size=MiB), None, ctx)
+        faulty[0].down = faulty[1].down = False
+        assert not ops.writing and (await catalog.current("/f.bin")).order == before.order
+        fh = (await ops.open(attrs.st_ino, os.O_RDONLY, ctx)).fh
+        assert await ops.read(fh, 0, 4 * MiB) == data
+        await ops.release(fh)
+        with trio.fail_after(60):
+            while True:                     # the pool probes the stores back up
+                try:
+                    await ops.setattr(attrs.st_ino, *change(size=MiB), None, ctx)
+                    break
+                except pyfuse3.FUSEError:
+                    await trio.sleep(0.2)
+        assert (await catalog.current("/f.bin")).size == MiB
