@@ -41,8 +41,8 @@ import posixpath
 import secrets
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -148,6 +148,9 @@ class Writing:
     users: int = 0             # writable handles, and requests that use it meanwhile
     unlinked: bool = False
     failed: bool = False       # the last flush or fsync failed (and its caller was told)
+    # Held by a commit of the session (from before its upload to after its transaction) and by a
+    # rename, unlink or link of the file: each lands under the names the other left (`_names_fixed`).
+    naming: trio.Lock = field(default_factory=trio.Lock)
 
 
 class CpfsOperations(pyfuse3.Operations):
@@ -577,6 +580,18 @@ class CpfsOperations(pyfuse3.Operations):
                 del self._settling[ino]
             done.set()
 
+    @contextlib.asynccontextmanager
+    async def _names_fixed(self, *nodes: Node) -> AsyncIterator[None]:
+        """Around a rename, an unlink or a link of these files: wait for a commit of their write
+        sessions under way (it names the file before its transaction; landing after our change, it
+        brought back the old name) and hold off the next until our change is done. In inode order, so
+        two of these never wait for each other."""
+        sessions = {n.ino: w for n in nodes if (w := self.writing.get(n.ino)) is not None}
+        async with contextlib.AsyncExitStack() as held:
+            for ino in sorted(sessions):
+                await held.enter_async_context(sessions[ino].naming)
+            yield
+
     @boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if inode == stats.CONTROL_INO:
@@ -651,6 +666,11 @@ class CpfsOperations(pyfuse3.Operations):
         w = self.writing.get(node.ino)
         if w is None or w.unlinked:
             return
+        async with w.naming:
+            if not w.unlinked:        # an unlink while we waited: nothing is committed
+                await self._commit_named(node, w, closing)
+
+    async def _commit_named(self, node: Node, w: Writing, closing: bool) -> None:
         w.session.path, w.session.also = node.path, list(node.aliases)
         with self._changing(*node.names):
             commits = w.session.statistics().commits
@@ -886,7 +906,8 @@ class CpfsOperations(pyfuse3.Operations):
         if await self._settled(node.ino):
             return await self.unlink(parent_inode, name, ctx)
         with self._settling_commit(node.ino):
-            await self._unlink(parent, node, name)
+            async with self._names_fixed(node):
+                await self._unlink(parent, node, name)
 
     async def _unlink(self, parent: Node, node: Node, name: bytes) -> None:
         if node.is_dir:
@@ -958,46 +979,48 @@ class CpfsOperations(pyfuse3.Operations):
         linked = [*node.names, *(t.names if t is not None and not t.is_dir else [])]
         with self._changing(old_path, new_path, *linked), \
                 self._settling_commit(node.ino, *([] if target is None else [target])):
-            # One transaction for the file, or the folder and every committed name below it: another
-            # mount sees the old tree or the new one, never a mix, and a failure changes nothing.
-            now = time.time_ns()
-            moving = [(p, f) for p, f in self.ns.entries(node, old_path) if f.summary is not None]
-            old = [dataclasses.replace(await self._manifest(f), path=p) for p, f in moving]
-            new = [dataclasses.replace(m, path=new_path + p[len(old_path):],
-                                       **({"ctime_ns": now} if f is node else {}))   # as on Linux
-                   for (p, f), m in zip(moving, old)]
-            # A renamed or replaced file's other names (hard links) show its new ctime.
-            touched: list[Manifest] = []
-            if moving and moving[0][1] is node:               # entries() lists the node first
-                touched = old[0].at([q for q in node.names if q != old_path], ctime_ns=now)
-            replaced: list[Manifest] = []      # the target's other names, if it has some
-            if t is not None and not t.is_dir and t.aliases and t.summary is not None:
-                replaced = (await self._manifest(t)).at([q for q in t.names if q != new_path], ctime_ns=now)
-            if (old_path not in node.names and not node.is_dir) or not self.ns.is_current(node) \
-                    or (node.is_dir and node.path != old_path) or new_parent.children.get(new_name) != target:
-                raise pyfuse3.FUSEError(errno.EAGAIN)     # changed while the manifests were read
-            committed = await self.catalog.transact(new + touched + replaced, old) if moving else []
-            if t is not None:
-                # A committed target stays on the stores until something commits under its name: the
-                # renamed file's move, or (never committed yet) its first commit. If that never comes,
-                # the target is still there on the next refresh; nothing is lost to a crash meanwhile.
-                w = self.writing.get(t.ino)
-                if w is not None and not t.aliases:
-                    w.unlinked = True        # open handles keep working; nothing is committed
-                if t.is_dir:
-                    self.ns.remove(t)
-                else:
-                    self.ns.remove_name(t, new_path)
-                    if replaced and committed:
-                        t.set_version(committed[len(new) + len(touched)])   # its first name's version
-            self.ns.move(node, new_parent, new_name, old_path)
-            self._entries_changed(old_parent, new_parent)
-            for (_, f), m in zip(moving, committed):
-                f.set_version(m)
-            for f in self.ns.walk(node):
-                w = self.writing.get(f.ino)
-                if w is not None:
-                    w.session.path, w.session.also = f.path, list(f.aliases)
+            # A commit of a write session of the file, or of one below the folder, goes first.
+            async with self._names_fixed(*self.ns.walk(node), *([] if t is None else [t])):
+                # One transaction for the file, or the folder and every committed name below it: another
+                # mount sees the old tree or the new one, never a mix, and a failure changes nothing.
+                now = time.time_ns()
+                moving = [(p, f) for p, f in self.ns.entries(node, old_path) if f.summary is not None]
+                old = [dataclasses.replace(await self._manifest(f), path=p) for p, f in moving]
+                new = [dataclasses.replace(m, path=new_path + p[len(old_path):],
+                                           **({"ctime_ns": now} if f is node else {}))   # as on Linux
+                       for (p, f), m in zip(moving, old)]
+                # A renamed or replaced file's other names (hard links) show its new ctime.
+                touched: list[Manifest] = []
+                if moving and moving[0][1] is node:               # entries() lists the node first
+                    touched = old[0].at([q for q in node.names if q != old_path], ctime_ns=now)
+                replaced: list[Manifest] = []      # the target's other names, if it has some
+                if t is not None and not t.is_dir and t.aliases and t.summary is not None:
+                    replaced = (await self._manifest(t)).at([q for q in t.names if q != new_path], ctime_ns=now)
+                if (old_path not in node.names and not node.is_dir) or not self.ns.is_current(node) \
+                        or (node.is_dir and node.path != old_path) or new_parent.children.get(new_name) != target:
+                    raise pyfuse3.FUSEError(errno.EAGAIN)     # changed while the manifests were read
+                committed = await self.catalog.transact(new + touched + replaced, old) if moving else []
+                if t is not None:
+                    # A committed target stays on the stores until something commits under its name: the
+                    # renamed file's move, or (never committed yet) its first commit. If that never comes,
+                    # the target is still there on the next refresh; nothing is lost to a crash meanwhile.
+                    w = self.writing.get(t.ino)
+                    if w is not None and not t.aliases:
+                        w.unlinked = True        # open handles keep working; nothing is committed
+                    if t.is_dir:
+                        self.ns.remove(t)
+                    else:
+                        self.ns.remove_name(t, new_path)
+                        if replaced and committed:
+                            t.set_version(committed[len(new) + len(touched)])   # its first name's version
+                self.ns.move(node, new_parent, new_name, old_path)
+                self._entries_changed(old_parent, new_parent)
+                for (_, f), m in zip(moving, committed):
+                    f.set_version(m)
+                for f in self.ns.walk(node):
+                    w = self.writing.get(f.ino)
+                    if w is not None:
+                        w.session.path, w.session.also = f.path, list(f.aliases)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, _nlookup in inode_list:
@@ -1055,16 +1078,17 @@ class CpfsOperations(pyfuse3.Operations):
         path = posixpath.join(parent.path, name)
         link = node.summary.link or secrets.token_hex(8)
         with self._changing(*node.names, path), self._settling_commit(inode):
-            m = dataclasses.replace(await self._manifest(node), link=link, ctime_ns=time.time_ns())
-            committed = await self.catalog.transact(m.at([*node.names, path]))
-            if (other := parent.children.get(name)) is not None:    # a listing showed it meanwhile
-                self._drop(self.ns.node(other), path)
-            self.ns.add_name(node, path)
-            self.ns.links[link] = node.ino
-            node.set_version(committed[0])
-            w = self.writing.get(node.ino)
-            if w is not None:
-                w.session.set_attributes(link=link)
+            async with self._names_fixed(node):
+                m = dataclasses.replace(await self._manifest(node), link=link, ctime_ns=time.time_ns())
+                committed = await self.catalog.transact(m.at([*node.names, path]))
+                if (other := parent.children.get(name)) is not None:    # a listing showed it meanwhile
+                    self._drop(self.ns.node(other), path)
+                self.ns.add_name(node, path)
+                self.ns.links[link] = node.ino
+                node.set_version(committed[0])
+                w = self.writing.get(node.ino)
+                if w is not None:
+                    w.session.set_attributes(link=link)
         self._entries_changed(parent)
         return self.attributes(node)
 
