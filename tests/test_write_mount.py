@@ -695,3 +695,41 @@ def test_a_file_rewritten_while_another_thread_chmods_it_keeps_every_save(make_c
         t.join()
     assert f.read_bytes() == data and os.stat(f).st_mode & 0o777 == modes[-1] and len(modes) > 10
     assert "unexpectedly" not in m.log.read_text()
+
+
+@pytest.mark.parametrize("other", ["unlink", "rename"])
+def test_a_close_racing_an_unlink_or_a_rename_from_another_thread(make_config, mount, other):
+    """One thread closes a file it wrote (close() commits: it uploads, then commits under the file's
+    name) while another thread unlinks it or renames it away, a few ms into the close. Whichever the
+    daemon ran first, the names left hold the save, in this mount and in the stores (`cpfs ls`, what
+    a fresh mount shows): after an unlink no name is left; after a rename the new name has the saved
+    bytes. On the code before, the close's commit brought the unlinked name back (in round 0, the
+    mount itself showed it); the rename did not fail there."""
+    cfg = make_config(chunk_size="1MiB")
+    m = mount(cfg)
+    for i in range(6):
+        f, g = m.path / f"f{i}.bin", m.path / f"g{i}.bin"
+        data = os.urandom(24 * MiB + i)
+        closing = threading.Event()
+
+        def change_names() -> None:
+            closing.wait()
+            time.sleep(0.002 * i)
+            os.unlink(f) if other == "unlink" else os.rename(f, g)
+
+        t = threading.Thread(target=change_names)
+        t.start()
+        try:
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, data)
+            closing.set()
+            os.close(fd)
+        finally:
+            closing.set()
+            t.join()
+        assert not f.exists(), i
+        if other == "rename":
+            assert g.read_bytes() == data, i
+    listed = cpfs("ls", "/", config=cfg, text=True).stdout
+    expected = {f"g{i}.bin" for i in range(6)} if other == "rename" else set()
+    assert {name for name in listed.split() if name.endswith(".bin")} == expected, listed
