@@ -539,8 +539,10 @@ class CpfsOperations(pyfuse3.Operations):
         w.users -= 1
         if w.users:
             return
-        if await self._settled(node.ino) and w.users:   # a rename or an unlink of it was under way ...
-            return                                        # ... and an open joined meanwhile: it ends it
+        # A rename, an unlink or a chmod of it was under way, and an open or a read joined meanwhile:
+        # the last of them ends the session (or has already: then a new one may be current).
+        if await self._settled(node.ino) and (w.users or self.writing.get(node.ino) is not w):
+            return
         with self._settling_commit(node.ino):
             try:
                 if not w.failed:
