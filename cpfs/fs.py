@@ -828,6 +828,7 @@ class CpfsOperations(pyfuse3.Operations):
             await self._declare_prefetch(self.ns.node(inode), value)
             return
         node = self.ns.node(inode)
+        await self._settled(inode)     # a commit under way first (another setxattr): add to what it made
         xattrs = self._xattrs(node)
         xattrs[key] = bytes(value)
         try:
@@ -847,6 +848,7 @@ class CpfsOperations(pyfuse3.Operations):
             self.sched.declare(inode, old.m, None)
             return
         node = self.ns.node(inode)
+        await self._settled(inode)     # a commit under way first (another setxattr): take from what it made
         xattrs = self._xattrs(node)
         if xattrs.pop(key, None) is None:
             raise pyfuse3.FUSEError(errno.ENODATA)
