@@ -969,7 +969,10 @@ class CpfsOperations(pyfuse3.Operations):
         if target == node.ino:
             return                 # two names of one file: nothing to do (POSIX)
         # A commit of either under way (a chmod) goes first: made from the version before, it would undo us.
-        if await self._settled(node.ino, target):
+        # For a folder, of anything below it too, and none starts until we are done: a write session
+        # opened meanwhile would commit under the old name.
+        moved = list(dict.fromkeys(f.ino for f in self.ns.walk(node)))
+        if await self._settled(*moved, target):
             return await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
         t = None if target is None else self.ns.node(target)
         if t is not None:
@@ -982,7 +985,7 @@ class CpfsOperations(pyfuse3.Operations):
         old_path, new_path = posixpath.join(old_parent.path, _name(name_old)), posixpath.join(new_parent.path, new_name)
         linked = [*node.names, *(t.names if t is not None and not t.is_dir else [])]
         with self._changing(old_path, new_path, *linked), \
-                self._settling_commit(node.ino, *([] if target is None else [target])):
+                self._settling_commit(*moved, *([] if target is None else [target])):
             # A commit of a write session of the file, or of one below the folder, goes first.
             async with self._names_fixed(*self.ns.walk(node), *([] if t is None else [t])):
                 # One transaction for the file, or the folder and every committed name below it: another

@@ -467,3 +467,32 @@ async def test_extended_attributes_set_and_removed_at_once_are_all_kept(tmp_path
             assert sorted(await ops.listxattr(attrs.st_ino, ctx)) == sorted(expected), r
             committed = dict((await catalog.current("/f.bin")).xattrs)
             assert {k.encode(): v for k, v in committed.items()} == expected, r
+
+
+@pytest.mark.parametrize("delay", [0, 1, 2, 4, 8, 16])
+async def test_a_save_below_a_folder_being_renamed_lands_under_its_new_name(tmp_path: Path, delay: int) -> None:
+    """A folder is renamed while a file below it is saved (open, write, close), the save starting
+    `delay` turns after the rename. The save lands under the folder's new name and nothing remains
+    under the old one, in the mount and in the stores."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path / "cpfs") as (ops, catalog):
+        d = await ops.mkdir(pyfuse3.ROOT_INODE, b"d", 0o755, ctx)
+        fi, attrs = await ops.create(d.st_ino, b"x.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
+        await ops.write(fi.fh, 0, os.urandom(MiB))
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+        data = os.urandom(2 * MiB + 3)
+
+        async def save_below() -> None:
+            await turns(delay)
+            fh = await save(ops, attrs.st_ino, data)
+            await ops.release(fh)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(ops.rename, pyfuse3.ROOT_INODE, b"d", pyfuse3.ROOT_INODE, b"e", 0, ctx)
+            n.start_soon(save_below)
+        assert sorted(p for p, s in (await catalog.load_all()).items() if not s.directory) == ["/e/x.bin"]
+        assert (await catalog.current("/e/x.bin")).size == len(data)
+        fh = (await ops.open(attrs.st_ino, os.O_RDONLY, ctx)).fh
+        assert await ops.read(fh, 0, 3 * MiB) == data
+        await ops.release(fh)
