@@ -71,6 +71,15 @@ async def save(ops: CpfsOperations, ino: int, data: bytes) -> int:
     return fh
 
 
+async def new_file(ops: CpfsOperations, parent: int, name: bytes, data: bytes) -> pyfuse3.EntryAttributes:
+    """A new file with `data`, closed (committed) and released."""
+    fi, attrs = await ops.create(parent, name, 0o644, os.O_WRONLY | os.O_CREAT, pyfuse3.RequestContext())
+    assert await ops.write(fi.fh, 0, data) == len(data)
+    await ops.flush(fi.fh)
+    await ops.release(fi.fh)
+    return attrs
+
+
 @pytest.mark.parametrize("delay", [0, 1, 3])
 async def test_an_open_that_meets_the_last_release_of_a_rewritten_file_writes_and_commits(
         tmp_path: Path, delay: int) -> None:
@@ -301,10 +310,7 @@ async def test_a_chmod_under_way_is_not_overtaken_by_an_unlink_or_a_rename(tmp_p
     async with operations(tmp_path / "cpfs") as (ops, catalog):
         for r in range(ROUNDS):
             data = os.urandom(MiB // 2 + r)
-            fh, attrs = await ops.create(pyfuse3.ROOT_INODE, b"a.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
-            await ops.write(fh.fh, 0, data)
-            await ops.flush(fh.fh)
-            await ops.release(fh.fh)
+            attrs = await new_file(ops, pyfuse3.ROOT_INODE, b"a.bin", data)
             renaming = r % 2 == 1
 
             async def chmod() -> None:
@@ -362,10 +368,7 @@ async def test_a_truncate_of_a_closed_file_that_cannot_commit_leaves_the_previou
     faulty: list[FaultyStore] = []
     async with operations(tmp_path / "cpfs", faulty) as (ops, catalog):
         data = os.urandom(3 * MiB)
-        fi, attrs = await ops.create(pyfuse3.ROOT_INODE, b"f.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
-        await ops.write(fi.fh, 0, data)
-        await ops.flush(fi.fh)
-        await ops.release(fi.fh)
+        attrs = await new_file(ops, pyfuse3.ROOT_INODE, b"f.bin", data)
         before = await catalog.current("/f.bin")
         faulty[0].down = faulty[1].down = True
         with pytest.raises(pyfuse3.FUSEError):
@@ -399,10 +402,7 @@ async def test_a_close_racing_a_rename_an_unlink_or_a_link_from_another_thread(t
     ordered all the same (CpfsOperations._names_fixed)."""
     ctx = pyfuse3.RequestContext()
     async with operations(tmp_path / "cpfs") as (ops, catalog):
-        fi, attrs = await ops.create(pyfuse3.ROOT_INODE, b"f.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
-        await ops.write(fi.fh, 0, os.urandom(MiB))
-        await ops.flush(fi.fh)
-        await ops.release(fi.fh)
+        attrs = await new_file(ops, pyfuse3.ROOT_INODE, b"f.bin", os.urandom(MiB))
         data = os.urandom(3 * MiB + 5)
         fh = (await ops.open(attrs.st_ino, os.O_WRONLY | os.O_TRUNC, ctx)).fh
         await ops.write(fh, 0, data)
@@ -441,10 +441,7 @@ async def test_extended_attributes_set_and_removed_at_once_are_all_kept(tmp_path
     code before, one of two setxattrs was lost in the first round at every delay."""
     ctx = pyfuse3.RequestContext()
     async with operations(tmp_path / "cpfs") as (ops, catalog):
-        fi, attrs = await ops.create(pyfuse3.ROOT_INODE, b"f.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
-        await ops.write(fi.fh, 0, os.urandom(MiB))
-        await ops.flush(fi.fh)
-        await ops.release(fi.fh)
+        attrs = await new_file(ops, pyfuse3.ROOT_INODE, b"f.bin", os.urandom(MiB))
         expected: dict[bytes, bytes] = {}
         for r in range(10):
             pair = {f"user.a{r}".encode(): os.urandom(8), f"user.b{r}".encode(): os.urandom(8)}
@@ -477,10 +474,7 @@ async def test_a_save_below_a_folder_being_renamed_lands_under_its_new_name(tmp_
     ctx = pyfuse3.RequestContext()
     async with operations(tmp_path / "cpfs") as (ops, catalog):
         d = await ops.mkdir(pyfuse3.ROOT_INODE, b"d", 0o755, ctx)
-        fi, attrs = await ops.create(d.st_ino, b"x.bin", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
-        await ops.write(fi.fh, 0, os.urandom(MiB))
-        await ops.flush(fi.fh)
-        await ops.release(fi.fh)
+        attrs = await new_file(ops, d.st_ino, b"x.bin", os.urandom(MiB))
         data = os.urandom(2 * MiB + 3)
 
         async def save_below() -> None:
