@@ -185,12 +185,12 @@ async def test_random_rounds_of_saves_truncates_chmods_moves_reads_and_late_rele
                                                                                      seed: int) -> None:
     """Model-based, seeded: each round runs at once, each after a random number of scheduler turns,
     some of: the release of the last round's save (the kernel's late RELEASE), a save of new bytes
-    (open O_TRUNC, writes in pieces, close), a truncate(2), a chmod, a move to the other name (a
-    rename, or a hard link and an unlink of the old name), a reader. After the round the file must
-    hold what some order of those gives (the save's bytes, truncated by the truncate or not), under
-    its one name alone, carry the chmod's mode, and no version may ever have been empty; nothing may
-    fail. Trio orders the tasks of a batch at random, so a seed picks the operations but does not
-    replay a run."""
+    (open O_TRUNC, writes in pieces, now and then an fsync, close), a truncate(2), a chmod, a move to
+    the other name (a rename, or a hard link and an unlink of the old name), a reader. After the round
+    the file must hold what some order of those gives (the save's bytes, truncated by the truncate or
+    not), under its one name alone, carry the chmod's mode, and no version may ever have been empty;
+    nothing may fail. Trio orders the tasks of a batch at random, so a seed picks the operations but
+    does not replay a run."""
     rng = random.Random(seed)
     ctx = pyfuse3.RequestContext()
 
@@ -226,6 +226,8 @@ async def test_random_rounds_of_saves_truncates_chmods_moves_reads_and_late_rele
                     ends.extend(cuts)
                     for lo, hi in zip([0, *cuts], [*cuts, len(data)]):
                         assert await ops.write(fh, lo, data[lo:hi]) == hi - lo
+                        if rng.random() < 0.2:
+                            await ops.fsync(fh, False)      # a version of what is written so far
                         await pause()
                     await ops.flush(fh)
                     saved.append(fh)
