@@ -703,8 +703,9 @@ def test_a_close_racing_an_unlink_or_a_rename_from_another_thread(make_config, m
     name) while another thread unlinks it or renames it away, a few ms into the close. Whichever the
     daemon ran first, the names left hold the save, in this mount and in the stores (`cpfs ls`, what
     a fresh mount shows): after an unlink no name is left; after a rename the new name has the saved
-    bytes. On the code before, the close's commit brought the unlinked name back (in round 0, the
-    mount itself showed it); the rename did not fail there."""
+    bytes. On the code before, the close's commit brought the old name back, which the mount itself
+    then showed: after the unlink in round 0 (2 of 2 runs), after the rename in round 2, 3 or 4 (3 of
+    3 runs once the save was written through a buffered file and flushed before the close)."""
     cfg = make_config(chunk_size="1MiB")
     m = mount(cfg)
     for i in range(6):
@@ -715,15 +716,18 @@ def test_a_close_racing_an_unlink_or_a_rename_from_another_thread(make_config, m
         def change_names() -> None:
             closing.wait()
             time.sleep(0.002 * i)
-            os.unlink(f) if other == "unlink" else os.rename(f, g)
+            if other == "unlink":
+                os.unlink(f)
+            else:
+                os.rename(f, g)
 
         t = threading.Thread(target=change_names)
         t.start()
         try:
-            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.write(fd, data)
-            closing.set()
-            os.close(fd)
+            with open(f, "wb") as out:
+                out.write(data)
+                out.flush()          # the bytes are in the daemon: what is left is the close's commit
+                closing.set()
         finally:
             closing.set()
             t.join()
