@@ -604,7 +604,11 @@ class CpfsOperations(pyfuse3.Operations):
         node = self.ns.node(inode)
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
-        await self._take_newer(node)
+        if self.ns.is_current(node) or flags & os.O_ACCMODE != os.O_RDONLY or node.summary is None:
+            await self._take_newer(node)
+        # else: a version replaced (a rename over it, an unlink) after the kernel looked its name up.
+        # Read-only, it opens that version, as an open racing a rename does on a local filesystem;
+        # ESTALE made the kernel look again, and a second replacement meanwhile failed the open.
         if node.broken and not flags & os.O_TRUNC:
             raise ManifestError(f"{node.path}: {node.broken}")
         if flags & os.O_ACCMODE != os.O_RDONLY:

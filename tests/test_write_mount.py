@@ -737,3 +737,73 @@ def test_a_close_racing_an_unlink_or_a_rename_from_another_thread(make_config, m
     listed = cpfs("ls", "/", config=cfg, text=True).stdout
     expected = {f"g{i}.bin" for i in range(6)} if other == "rename" else set()
     assert {name for name in listed.split() if name.endswith(".bin")} == expected, listed
+
+
+def test_saves_by_temporary_name_and_rename_are_atomic_to_readers_and_chmods(make_config, mount):
+    """How many savers make a save atomic: write `ckpt.tmp`, close, rename it over `ckpt`, in a loop,
+    while one thread reads `ckpt` whole over and over and another chmods it. Each save is
+    self-describing (its number, then a BLAKE2 digest of the rest, then random bytes of its own
+    length), so a reader can tell a whole save from a torn or mixed one: every read must be one whole
+    save, never older than one the reader saw before it; at the end `ckpt` holds the last save, no
+    `ckpt.tmp` is left, and the stores (`cpfs ls`, what a fresh mount sees) agree."""
+    cfg = make_config(chunk_size="1MiB")
+    m = mount(cfg)
+    final, tmp = m.path / "ckpt", m.path / "ckpt.tmp"
+    stop = threading.Event()
+    problems: list[str] = []
+    reads = chmods = 0
+
+    def make(i: int) -> bytes:
+        body = os.urandom(MiB + (i * 40961) % (3 * MiB))
+        return i.to_bytes(8, "little") + hashlib.blake2b(body, digest_size=32).digest() + body
+
+    def whole(data: bytes) -> int | None:
+        """The save's number, if `data` is one whole save."""
+        if len(data) < 40 or hashlib.blake2b(data[40:], digest_size=32).digest() != data[8:40]:
+            return None
+        return int.from_bytes(data[:8], "little")
+
+    def reader() -> None:
+        nonlocal reads
+        last = -1
+        while not stop.is_set():
+            try:
+                data = final.read_bytes()
+            except FileNotFoundError:
+                continue          # before the first save
+            except OSError as e:  # as a local filesystem: an open racing a rename opens old or new
+                problems.append(f"read {reads}: {e!r}")
+                return
+            n = whole(data)
+            if n is None or n < last:
+                problems.append(f"read {reads}: {len(data)} bytes, save {n} after save {last}")
+                return
+            last, reads = n, reads + 1
+
+    def chmodder() -> None:
+        nonlocal chmods
+        while not stop.is_set():
+            try:
+                os.chmod(final, [0o600, 0o644][chmods % 2])
+                chmods += 1
+            except FileNotFoundError:
+                pass
+
+    threads = [threading.Thread(target=reader), threading.Thread(target=chmodder)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(40):
+            data = make(i)
+            tmp.write_bytes(data)
+            os.rename(tmp, final)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not problems, problems
+    assert whole(final.read_bytes()) == 39 and not tmp.exists()
+    assert reads > 10 and chmods > 10, (reads, chmods)
+    listed = cpfs("ls", "/", config=cfg, text=True).stdout.split()
+    assert "ckpt" in listed and "ckpt.tmp" not in listed, listed
+    assert "unexpectedly" not in m.log.read_text()
