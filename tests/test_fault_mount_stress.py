@@ -37,6 +37,11 @@ def faulty_config(clean: Path, seed: int) -> Path:
     return path
 
 
+def same(got: bytes, expected: bytes) -> bool:
+    """Equal bytes. An `assert` on `==` of megabytes makes pytest diff them when it fails, for hours."""
+    return got == expected
+
+
 def open_eventually(path: Path) -> int:
     """Open the file for reading. Its manifest has 2 copies, each read once per open: when both
     answers fail (~9% here) the open fails with EIO, and the next open reads them again."""
@@ -71,7 +76,7 @@ def test_reads_and_rewrites_over_failing_and_corrupting_stores_never_give_other_
                 assert e.errno == errno.EIO, e
                 failed += 1
                 continue
-            assert got and got == data[offset:offset + len(got)], (seed, offset, n, len(got))
+            assert got and same(got, data[offset:offset + len(got)]), (seed, offset, n, len(got))
             answered += 1
     finally:
         os.close(fd)
@@ -88,6 +93,7 @@ def test_reads_and_rewrites_over_failing_and_corrupting_stores_never_give_other_
     log = m.log.read_text()
     assert "unexpectedly" not in log and "Traceback" not in log
     fresh = mount(clean, "fresh")
-    assert (fresh.path / "d.bin").read_bytes() == data
+    assert same((fresh.path / "d.bin").read_bytes(), data)
     if committed is not None:
-        assert (fresh.path / "w.bin").read_bytes() == committed
+        got = (fresh.path / "w.bin").read_bytes()
+        assert same(got, committed), (len(got), len(committed))
