@@ -6,10 +6,16 @@ Invariants, and why:
 - Nothing is overwritten. A commit writes a new key after every chunk it names is durable; one that
   fails below `write_quorum` deletes only its own new key. (Overwriting one key per path in place lost
   the previous version on every store a failed commit had reached.)
-- The current version of a path is its highest (version, writer) whose state is not "failed"; if that
-  one is "deleted", the path does not exist. Key names alone decide it, so a refresh lists and then
-  reads only the summaries it has not seen (keys are immutable: summaries are cached by key), and a
-  summary is a ranged read of a manifest's first line, not its chunks and tensor index.
+- A failed commit's copy that cannot be deleted (a store took the put, then refuses the delete; or a
+  cancelled put may still land) is voided: its writer writes a "failed" key of the same version and
+  writer (its twin) to every store that takes it, and never uses that version again. A twin voids its
+  ok or deleted key wherever they are listed, so the writer, told that its commit failed, is right
+  on every mount. Only if no store takes the twin either can the copy count (logged as an error).
+- The current version of a path is its highest (version, writer) whose state is not "failed" and that
+  no twin voids; if that one is "deleted", the path does not exist. Key names alone decide it, so a
+  refresh lists and then reads only the summaries it has not seen (keys are immutable: summaries are
+  cached by key), and a summary is a ranged read of a manifest's first line, not its chunks and tensor
+  index.
 - `version` is a counter: one more than the highest version of the path seen on any store (or
   committed by this process). Clocks never order versions, so a host whose clock is behind still
   commits newer ones; two commits of one version are ordered by writer id, and one of them wins whole.
@@ -22,12 +28,17 @@ version keys when a full listing meets them.
 Transactions: several paths changed as one commit (a folder rename, a hard link: `transact`). Each of
 their versions is written under a key that names the transaction,
 `<version>.<writer>.<state>.<txn>.json`, and counts for nothing until the transaction's record
-`txns/<txn>.json` exists on some store; the record is written only once every version is durable
-(the commit point). So a crash before it leaves every path as it was, and after it every path changed.
+`txns/<txn>.json` exists on some store and its void marker `txns/<txn>.failed.json` on none; the
+record is written only once every version is durable (the commit point). So a crash before it leaves
+every path as it was, and after it every path changed. A transaction that fails deletes its record;
+where a copy may remain it writes the void marker, and if that fails too, it keeps its versions, so
+the transaction counts whole or not at all.
 Invariant: a full listing reads `txns/` *before* `manifests/`, so a transaction it finds committed had
 all its versions written before its manifests were listed: a listing shows every path of a transaction
 old or every path new, never a mix. A transaction's versions are taken back (deleted) only by the
 writer whose commit failed; a record stays while a version names it (`cpfs gc` removes it after).
+A mount remembers a transaction as committed for good only once it lists its record on `write_quorum`
+stores: a failing transaction's record can be listed on fewer, before its writer voids it.
 """
 from __future__ import annotations
 
@@ -39,7 +50,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Container, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -49,6 +60,7 @@ from .errors import ManifestError, NoSuchObject, NotFound, StoreError, StoreUnav
 from .manifest import SUMMARY_MAX, Manifest, Summary, path_hash
 from .placement import place
 from .pool import StorePool
+from .sync import fan_out
 from .upload import in_parallel
 
 log = logging.getLogger(__name__)
@@ -59,7 +71,7 @@ HOST = socket.gethostname()
 _KEY = re.compile(r"manifests/([0-9a-f]{40})/([0-9]{20})\.([0-9a-f]{0,32})\.(ok|failed|deleted)"
                   r"(?:\.([0-9a-f]{16}))?\.json")
 TXN_PREFIX = "txns/"
-_TXN_KEY = re.compile(r"txns/([0-9a-f]{16})\.json")
+_TXN_KEY = re.compile(r"txns/([0-9a-f]{16})(\.failed)?\.json")
 _LEGACY = re.compile(r"manifests/([0-9a-f]{40})\.json")
 _FETCHES = 32                             # summaries read at once by a full listing
 _KEEP_PARSED = 256                        # full manifests kept parsed (the namespace keeps its own)
@@ -89,8 +101,28 @@ class VersionRef:
         return f"{PREFIX}{h}/{version:020d}.{writer}.{state}{'.' + txn if txn else ''}.json"
 
 
-def txn_key(txn: str) -> str:
-    return f"{TXN_PREFIX}{txn}.json"
+def _why(error: BaseException) -> str:
+    return str(error) or type(error).__name__        # a cancellation says nothing
+
+
+def txn_key(txn: str, void: bool = False) -> str:
+    """The key of a transaction's record, or of its void marker (the transaction failed)."""
+    return f"{TXN_PREFIX}{txn}{'.failed' if void else ''}.json"
+
+
+def parse_txn_key(key: str) -> tuple[str, bool] | None:
+    """(transaction, whether the key is its void marker), or None if `key` is neither."""
+    m = _TXN_KEY.fullmatch(key)
+    return (m[1], bool(m[2])) if m else None
+
+
+def txns_listed(keys: Iterable[str]) -> tuple[set[str], set[str]]:
+    """The transactions whose record and those whose void marker `keys` hold."""
+    records: set[str] = set()
+    voided: set[str] = set()
+    for txn, void in filter(None, map(parse_txn_key, keys)):
+        (voided if void else records).add(txn)
+    return records, voided
 
 
 @dataclass(frozen=True)
@@ -120,12 +152,25 @@ class CatalogStats:
     failed_commits: int     # commits that did not reach write_quorum
     retired: int            # old versions deleted
     transactions: int       # multi-path commits (folder renames, hard links) committed here
+    voided: int             # failed commits whose copy could not be deleted, voided by a twin or marker
+
+
+def voided(refs: Iterable[VersionRef]) -> set[tuple[int, str]]:
+    """The (version, writer) of every failed key: a failed key voids an ok or deleted key of the same
+    version and writer (its twin: see the module doc)."""
+    return {r.order for r in refs if r.state == "failed"}
+
+
+def counted(refs: list[VersionRef], committed: Container[str] = ()) -> list[VersionRef]:
+    """The versions that count: those no twin voids, outside transactions not known to have committed."""
+    void = voided(refs)
+    return [r for r in refs if (r.state == "failed" or r.order not in void) and (not r.txn or r.txn in committed)]
 
 
 def current_of(refs: list[VersionRef], committed: Container[str] = ()) -> VersionRef | None:
     """The version that is the path now (None: never committed), by key names alone and the
     transactions known to have committed."""
-    live = [r for r in refs if r.state != "failed" and (not r.txn or r.txn in committed)]
+    live = [r for r in counted(refs, committed) if r.state != "failed"]
     return max(live, key=lambda r: r.order) if live else None
 
 
@@ -138,15 +183,15 @@ class Catalog:
         self._parsed: OrderedDict[str, Manifest] = OrderedDict()     # LRU of whole manifests
         self._summaries: dict[str, Summary] = {}
         self._highest: dict[str, int] = {}        # path hash -> highest version seen or committed here
-        self._txns: set[str] = set()              # transactions known to have committed (they stay so)
+        self._txns: set[str] = set()              # transactions on write_quorum stores: committed for good
         self._listings = self._fetched = self._read_summaries = 0
         self._commits = self._failed = self._retired = 0
-        self._transactions = 0
+        self._transactions = self._voided = 0
 
     def statistics(self) -> CatalogStats:
         return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
                             cached=len(self._summaries), commits=self._commits, failed_commits=self._failed,
-                            retired=self._retired, transactions=self._transactions)
+                            retired=self._retired, transactions=self._transactions, voided=self._voided)
 
     # -- reading ---------------------------------------------------------------------------------
     async def _list(self, prefix: str) -> dict[str, list[str]]:
@@ -229,27 +274,37 @@ class Catalog:
         """The whole manifest of a version a listing summarised (chunks, tensor index)."""
         return await self._fetch(s.key, s.stores or self.pool.names)
 
-    async def _refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]]]:
+    async def _refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]], set[str]]:
         """Every version key of a path (those of uncommitted transactions too: they take version
-        numbers), having learned whether the transactions they name committed."""
+        numbers), where each is listed, and which of the transactions they name have committed."""
         h = path_hash(path)
         where = await self._list(f"{PREFIX}{h}/")
         refs = [r for r in map(VersionRef.parse, where) if r is not None]
         if refs:
             self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
-        for txn in {r.txn for r in refs if r.txn and r.txn not in self._txns}:
-            if await self._list(txn_key(txn)):
-                self._txns.add(txn)
-        return refs, where
+        committed = set()
+        for txn in {r.txn for r in refs if r.txn}:
+            if txn in self._txns or await self._committed(txn):
+                committed.add(txn)
+        return refs, where, committed
 
-    def _counts(self, ref: VersionRef) -> bool:
-        """Not part of a transaction that has not committed (or is still committing)."""
-        return not ref.txn or ref.txn in self._txns
+    async def _committed(self, txn: str) -> bool:
+        """Whether `txn` counts now: its record is listed and its void marker is not."""
+        where = await self._list(f"{TXN_PREFIX}{txn}.")
+        return txn in self._remember(where)
+
+    def _remember(self, where: dict[str, list[str]]) -> set[str]:
+        """The transactions that count by a listing of records (key -> stores); remembers for good
+        those on write_quorum stores (see the module doc)."""
+        records, void = txns_listed(where)
+        counting = records - void
+        self._txns |= {t for t in counting if len(where[txn_key(t)]) >= self._cfg.write_quorum}
+        return counting
 
     async def current(self, path: str) -> Summary:
         """The current version's summary; NotFound if there is none, ManifestError if unreadable."""
-        refs, where = await self._refs(path)
-        cur = current_of(refs, self._txns)
+        refs, where, committed = await self._refs(path)
+        cur = current_of(refs, committed)
         if cur is None or cur.state == "deleted":
             raise NotFound(f"no file {path!r}")
         s = await self._summary(cur.key, where[cur.key])
@@ -263,9 +318,9 @@ class Catalog:
 
     async def history(self, path: str) -> list[VersionInfo]:
         """Every kept version, newest first."""
-        refs, where = await self._refs(path)
-        refs = [r for r in refs if self._counts(r)]
-        cur = current_of(refs, self._txns)
+        refs, where, committed = await self._refs(path)
+        refs = counted(refs, committed)
+        cur = current_of(refs, committed)
         out: list[VersionInfo] = []
         for r in sorted(refs, key=lambda r: r.order, reverse=True):
             try:
@@ -335,10 +390,8 @@ class Catalog:
         return out
 
     async def committed_transactions(self) -> set[str]:
-        """The transactions whose record some store lists (and those already known)."""
-        listed = {m[1] for key in await self._list(TXN_PREFIX) if (m := _TXN_KEY.fullmatch(key))}
-        self._txns |= listed
-        return listed
+        """The transactions that count by a listing of every store's records (see the module doc)."""
+        return self._remember(await self._list(TXN_PREFIX))
 
     async def _migrate(self, key: str, where: dict[str, list[str]]) -> VersionRef | None:
         """Copy a format-1 manifest to its version key on the stores that hold it, then drop the old key."""
@@ -404,39 +457,51 @@ class Catalog:
             m, state = plan[0]
             return [await self._commit(m, state, "")][:len(writes)]
         txn = secrets.token_hex(8)
-        written: list[tuple[list[str], str]] = []      # (stores, key) to take back on failure
+        written: list[tuple[list[str], str]] = []      # (stores, key) of the versions, to take back on failure
 
         async def stage(item: tuple[Manifest, str]) -> tuple[Manifest, VersionRef, list[VersionRef],
-                                                               dict[str, list[str]]]:
-            refs, where = await self._listed_refs(item[0].path)
+                                                               dict[str, list[str]], set[str]]:
+            refs, where, committed = await self._listed_refs(item[0].path)
             new, ref, targets = self._next(item[0], refs, item[1], "", txn)
             written.append((targets, ref.key))
             where[ref.key] = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
-            return new, ref, refs, where
+            return new, ref, refs, where, committed
 
         record = json.dumps({"txn": txn, "writer": self._writer, "host": HOST, "committed_ns": time.time_ns(),
                              "paths": paths}).encode()
+        record_stores: list[str] = []
         try:
             staged = await in_parallel(stage, plan, _FETCHES)
-            targets = place(txn, self.pool.names, self._cfg.replicas)
-            written.append((targets, txn_key(txn)))
-            await self.pool.put_quorum(targets, txn_key(txn), record, self._cfg.write_quorum)   # commit point
-        except BaseException:
+            record_stores = place(txn, self.pool.names, self._cfg.replicas)
+            await self.pool.put_quorum(record_stores, txn_key(txn), record, self._cfg.write_quorum)   # commit point
+        except BaseException as e:
             self._failed += 1
-            with trio.CancelScope(shield=True):       # record first: then no reader counts the rest
-                for stores, key in reversed(written):
-                    async with trio.open_nursery() as n:
-                        for name in stores:
-                            n.start_soon(self._delete_quietly, name, key)
+            with trio.CancelScope(shield=True):
+                await self._take_back_transaction(txn, record_stores, written, e)
             raise
         self._txns.add(txn)
         self._transactions += 1
-        committed: dict[str, Manifest] = {}
-        for new, ref, refs, where in staged:
+        done: dict[str, Manifest] = {}
+        for new, ref, refs, where, committed in staged:
             self._took(new, ref, where[ref.key], where)
-            committed[new.path] = new
-            await self._retire([*refs, ref], where)
-        return [committed[m.path] for m in writes]
+            done[new.path] = new
+            await self._retire([*refs, ref], where, committed | {txn})
+        return [done[m.path] for m in writes]
+
+    async def _take_back_transaction(self, txn: str, record_stores: list[str],
+                                     written: list[tuple[list[str], str]], error: BaseException) -> None:
+        """A transaction failed: its record first (then no reader counts the rest), voided where a copy
+        may remain; then its versions, unless the record may count, so that it counts whole or not at all."""
+        if record_stores:
+            left = await self._take_back(record_stores, txn_key(txn))
+            if (left or not isinstance(error, StoreError)) and not await self._void(
+                    txn_key(txn, void=True), json.dumps({"txn": txn, "writer": self._writer, "host": HOST,
+                                                         "failed": _why(error)}).encode()):
+                log.error("transaction %s failed, and its record may remain on %s, which no store let us void: "
+                          "its versions are kept, so another mount may count it (whole)", txn, left or record_stores)
+                return
+        for stores, key in written:
+            await self._take_back(stores, key)     # a leftover never counts without its record: gc deletes it
 
     async def restore(self, path: str, version: int) -> Manifest:
         """Make an old version current again, as a new commit (so a restore is itself undoable)."""
@@ -450,7 +515,7 @@ class Catalog:
     async def _tombstone(self, m: Manifest) -> None:
         await self._commit(self._tomb(m), "deleted", "")
 
-    async def _listed_refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]]]:
+    async def _listed_refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]], set[str]]:
         try:
             return await self._refs(path)
         except StoreError as e:
@@ -476,33 +541,66 @@ class Catalog:
         where[ref.key] = held
 
     async def _commit(self, manifest: Manifest, state: str, reason: str) -> Manifest:
-        refs, where = await self._listed_refs(manifest.path)
+        refs, where, committed = await self._listed_refs(manifest.path)
         new, ref, targets = self._next(manifest, refs, state, reason)
         try:
             held = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
-        except StoreError:
+        except BaseException as e:
             self._failed += 1
-            # Below quorum the commit failed: take back the copies that landed, or a reader that finds
-            # one would see a version the writer was told did not commit. Older versions are untouched.
             with trio.CancelScope(shield=True):
-                async with trio.open_nursery() as n:
-                    for name in targets:
-                        n.start_soon(self._delete_quietly, name, ref.key)
+                await self._take_back_version(new, ref, targets, e)
             raise
         self._took(new, ref, held, where)
-        await self._retire([*refs, ref], where)
+        await self._retire([*refs, ref], where, committed)
         return new
 
-    async def _retire(self, refs: list[VersionRef], where: dict[str, list[str]]) -> None:
-        """Delete versions beyond keep_versions (see the module doc). Best effort: a leftover old
-        version is only clutter, never current."""
+    async def _take_back_version(self, new: Manifest, ref: VersionRef, targets: list[str],
+                                 error: BaseException) -> None:
+        """Below quorum (or cancelled) the commit failed: take back the copies that landed, or a reader
+        that finds one would see a version the writer was told did not commit. Where a copy may remain
+        (a delete failed; a cancelled put may still land), void it with its twin (see the module doc).
+        Older versions are untouched."""
+        left = await self._take_back(targets, ref.key)
+        may_remain = bool(left) or not isinstance(error, StoreError)
+        if ref.state == "failed" or not may_remain:       # a failed version never counts anyway
+            return
+        self._highest[ref.path_hash] = max(self._highest.get(ref.path_hash, 0), ref.version)   # never reused
+        twin = dataclasses.replace(new, state="failed", reason=f"commit failed: {_why(error)}")
+        key = VersionRef.key_of(ref.path_hash, ref.version, ref.writer, "failed")
+        if not await self._void(key, twin.to_bytes()):
+            log.error("%s: version %d failed to commit, and a copy may remain on %s, which no store let us "
+                      "void: another mount may count it", new.path, ref.version, left or targets)
+
+    async def _take_back(self, stores: Sequence[str], key: str) -> list[str]:
+        """Delete `key` on `stores`; the stores where it may remain."""
+        out = await fan_out(lambda name: self.pool.delete(name, key), stores, catch=StoreError)
+        for name, e in out.errors:
+            log.warning("could not take back %s on store %r: %s", key, name, e)
+        return [name for name, _ in out.errors]
+
+    async def _void(self, key: str, data: bytes) -> bool:
+        """Put a twin or a void marker on every store that takes it; whether one did."""
+        try:
+            await self.pool.put_quorum(self.pool.names, key, data, 1)
+        except StoreError:
+            return False
+        self._voided += 1
+        log.warning("voided a failed commit with %s", key)
+        return True
+
+    async def _retire(self, refs: list[VersionRef], where: dict[str, list[str]], committed: Container[str]) -> None:
+        """Delete versions beyond keep_versions (see the module doc), and copies their twin voids. Best
+        effort: a leftover old version is only clutter, never current."""
         keep = self._cfg.keep_versions
         ok = failed = 0
-        doomed = []
+        void = voided(refs)
+        doomed = [r for r in refs if r.state != "failed" and r.order in void]
+        twins = {r.order for r in doomed}
         # A transaction's version that does not count yet may be one still committing: never retired.
-        for r in sorted(filter(self._counts, refs), key=lambda r: r.order, reverse=True):
+        for r in sorted(counted(refs, committed), key=lambda r: r.order, reverse=True):
             if ok >= keep or (r.state == "failed" and failed >= keep):
-                doomed.append(r)
+                if r.order not in twins:        # a twin stays while the copy it voids is listed
+                    doomed.append(r)
             elif r.state == "ok":
                 ok += 1
             elif r.state == "failed":

@@ -15,10 +15,12 @@ chunk in between, when nothing names it yet. So gc
      the cutoff with `delete_if_older(cutoff)`, which judges the age again at the moment of deletion;
      then the temporary files older than the cutoff.
 Transaction records (cpfs/catalog.py) are listed before the manifests, and one that no listed version
-names is deleted: all of a transaction's versions are written before its record, so a record listed
-first whose versions are not in the listing that follows has had them all retired. A version of a
-transaction that has no record in that first listing and was written before the cutoff is abandoned
-(its writer died before the commit point: assumption 1 bounds a commit's duration) and is deleted.
+names is deleted, with its void marker: all of a transaction's versions are written before its record,
+so a record listed first whose versions are not in the listing that follows has had them all retired.
+A version of a transaction that has no record in that first listing (or a void marker there) and was
+written before the cutoff is abandoned (its writer died before the commit point: assumption 1 bounds
+a commit's duration; or its commit failed) and is deleted. A void marker stays while a version names
+its transaction, so a record that could not be deleted never counts again.
 
 Invariant: from the moment a commit checks a chunk copy until it writes its manifest at t_m, the copy's
 mtime is after t_m - grace. Mounts keep it: dedup touches a copy it reuses when the copy is older than
@@ -65,7 +67,7 @@ from typing import Any
 
 import trio
 
-from .catalog import TXN_PREFIX, VersionRef, txn_key
+from .catalog import TXN_PREFIX, VersionRef, txn_key, txns_listed
 from .errors import ManifestError, NoSuchObject, StoreError
 from .manifest import Manifest
 from .pool import StorePool
@@ -178,7 +180,8 @@ class GarbageCollector:
         """The three steps of the module doc, or a refusal after the second."""
         cutoff = time.time() - self.grace               # before any listing: see the invariant
         records, problems = await self._list([TXN_PREFIX])      # before the manifests: see the doc
-        committed = {r[len(TXN_PREFIX):-len(".json")] for r in records}
+        listed, void = txns_listed(records)
+        committed = listed - void
         referenced, read, named, abandoned, more = await self._references(committed, cutoff)
         problems += more
         report = dict(grace=self.grace, dry_run=self.dry_run, manifests=read, referenced=len(referenced))
@@ -186,7 +189,7 @@ class GarbageCollector:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             log.error("gc refused, nothing deleted: %s", shown)
             return GcReport(**report, refused=shown, stores=())
-        named_keys = {txn_key(t) for t in named}
+        named_keys = {txn_key(t, void) for t in named for void in (False, True)}
         report["transactions"] = await self._delete({k: v for k, v in records.items() if k not in named_keys})
         report["abandoned"] = await self._delete(abandoned)
         tallies = {name: _Tally(name) for name in self.pool.names}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,17 +23,24 @@ from test_catalog import commit_bytes, make_pool
 
 
 class HoldRecords(StoreWrapper):
-    """Holds (until `release` is set) or refuses the puts of transaction records."""
+    """Holds (until `release` is set) or refuses the puts of transaction records; with `refuse_voids`,
+    of their void markers only; refuses the deletes of the keys `refuse_deletes` picks."""
 
     def __init__(self, inner) -> None:
         super().__init__(inner)
-        self.refuse = False
+        self.refuse = self.refuse_voids = False
+        self.refuse_deletes: Callable[[str], bool] = lambda key: False
         self.release: trio.Event | None = None
         self.waiting = 0
 
+    async def delete(self, key: str) -> None:
+        if self.refuse_deletes(key):
+            raise StoreDenied(self.name, f"refusing to delete {key} (test)")
+        await self.inner.delete(key)
+
     async def put(self, key: str, data) -> None:
         if key.startswith(TXN_PREFIX):
-            if self.refuse:
+            if self.refuse or self.refuse_voids and key.endswith(".failed.json"):
                 raise StoreDenied(self.name, f"refusing {key} (test)")
             if self.release is not None:
                 self.waiting += 1
@@ -49,9 +57,9 @@ async def moved(cat: Catalog, src: str, dst: str) -> list:
     return await cat.transact([dataclasses.replace(m, path=dst + m.path[len(src):]) for m in old], old)
 
 
-async def paths(tmp_path: Path) -> set[str]:
+async def paths(tmp_path: Path, stores: int = 3) -> set[str]:
     """What another mount (a fresh catalog over the same store folders) lists."""
-    return set(await Catalog(make_pool(tmp_path, stores=3)).load_all())
+    return set(await Catalog(make_pool(tmp_path, stores=stores)).load_all())
 
 
 def txn_version_keys(tmp_path: Path) -> list[str]:
@@ -104,6 +112,55 @@ async def test_a_transaction_whose_record_fails_changes_nothing_and_leaves_nothi
     for path, data in FILES.items():                  # and this catalog goes on as before
         assert (await cat.get(path)).size == len(data)
     assert cat.statistics().failed_commits == 1
+
+
+async def record_on_s0_only(tmp_path: Path, voids: bool, refuse_deletes: Callable[[str], bool]) -> Catalog:
+    """FILES committed on 2 stores (each record goes to both), then a move of them whose record lands
+    on s0 alone (s1 refuses it: below quorum) and which s0 refuses to take back, as it refuses every
+    delete `refuse_deletes` picks; with `voids`, s0 takes the void marker. The move must have failed."""
+    wrappers: list[HoldRecords] = []
+    cat = Catalog(make_pool(tmp_path, wrap=lambda s: wrappers.append(HoldRecords(s)) or wrappers[-1]))
+    for path, data in FILES.items():
+        await commit_bytes(cat, path, data)
+    wrappers[1].refuse = True
+    wrappers[0].refuse_deletes = refuse_deletes
+    wrappers[0].refuse_voids = not voids
+    with pytest.raises(StoreError):
+        await moved(cat, "/run/step_1", "/run/final")
+    assert len([p for p in tmp_path.glob("s0/txns/*.json") if ".failed" not in p.name]) == 1   # the record stayed
+    return cat
+
+
+async def test_a_failed_transaction_whose_record_cannot_be_taken_back_is_voided(tmp_path: Path) -> None:
+    """The record landed on one store, which then refuses to delete it: the void marker makes every
+    mount see the old tree; gc deletes the versions left behind, then the record and its marker."""
+    cat = await record_on_s0_only(tmp_path, voids=True, refuse_deletes=lambda key: True)
+    assert len(list(tmp_path.glob("s0/txns/*.failed.json"))) == 1
+    assert cat.statistics().voided == 1
+    assert await paths(tmp_path, stores=2) == set(FILES)
+    other = Catalog(make_pool(tmp_path))
+    with pytest.raises(NotFound):
+        await other.current("/run/final/model.pt")
+    assert [i.ref.version for i in await other.history("/run/step_1/model.pt")] == [1]
+    left = len(txn_version_keys(tmp_path))
+    assert left == 2 * len(FILES)          # s0 refused their deletes as well
+    report = await GarbageCollector(make_pool(tmp_path), grace=0).run()
+    assert report.abandoned == left and txn_version_keys(tmp_path) == []
+    assert len(list(tmp_path.glob("s0/txns/*"))) == 2                  # named by versions in that run
+    assert await paths(tmp_path, stores=2) == set(FILES)
+    report = await GarbageCollector(make_pool(tmp_path), grace=0).run()
+    assert report.transactions == 2 and list(tmp_path.glob("s*/txns/*")) == []
+    assert await paths(tmp_path, stores=2) == set(FILES)
+
+
+async def test_a_failed_transaction_that_cannot_be_voided_counts_whole_or_not_at_all(tmp_path: Path) -> None:
+    """If no store takes the void marker either, the record may count: the versions are kept, so a
+    mount sees every path of the move new, never a mix (and the writer logged an error). Here s0 also
+    refuses to delete the tombstones: taking back the rest would lose every file of the move."""
+    await record_on_s0_only(tmp_path, voids=False,
+                            refuse_deletes=lambda key: key.startswith(TXN_PREFIX) or ".deleted." in key)
+    assert list(tmp_path.glob("s*/txns/*.failed.json")) == []
+    assert await paths(tmp_path, stores=2) == {p.replace("/run/step_1", "/run/final") for p in FILES}
 
 
 async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path: Path) -> None:
