@@ -20,6 +20,8 @@ while a chunk is still short (a listed store was removed from the config or repl
 lists fewer stores than `replicas`), puts copies on its current placement; manifest copies go to
 their placement. Manifests are never rewritten to point at new stores: immutable versions stay
 immutable, and readers find the new copies through the placement.
+A copy of a failed commit that its twin voids (cpfs/catalog.py: its writer could not delete it) is
+reported as "voided", never repaired, and deleted by `--repair`, as the next commit of its path would.
 
 Bounded: one CapacityLimiter caps the chunks (or versions) being checked at once, each holding at most
 two copies in memory; every request goes through the pool (timeouts, retries).
@@ -41,7 +43,7 @@ from typing import TypeVar
 import trio
 
 from . import chunk as chunkfmt
-from .catalog import PREFIX, Catalog, VersionRef, current_of
+from .catalog import PREFIX, Catalog, VersionRef, current_of, voided
 from .errors import CorruptChunk, ManifestError, NoSuchObject, StoreError
 from .manifest import SUMMARY_MAX, Manifest, Summary, normalize_path, path_hash
 from .placement import place
@@ -79,6 +81,7 @@ class ScrubStats:
     lost: int = 0                    # chunks with no good copy on any store
     block_checks_wrong: int = 0      # versions whose block checks of a chunk do not match its good copy
     vanished: int = 0                # versions or chunks deleted while the scrub ran (retired, gc)
+    voided: int = 0                  # versions of failed commits their twin voids (--repair deletes them)
     repaired: int = 0                # copies written (chunks and manifests)
     unrepaired: int = 0              # chunks and versions short of `replicas` good copies at the end
     bytes_read: int = 0
@@ -93,7 +96,7 @@ class ScrubStats:
 @dataclass(frozen=True)
 class Problem:
     what: str          # "chunk" or "manifest"
-    kind: str          # "missing", "corrupt", "unreachable", "lost", "under-replicated", "repair failed"
+    kind: str          # "missing", "corrupt", "unreachable", "lost", "under-replicated", "voided", "repair failed"
     key: str
     store: str         # "" when about the object, not one copy
     where: str         # the file and version that name it (the first of them, for a shared chunk)
@@ -126,6 +129,7 @@ class _Version:
     holders: list[str]              # stores whose listing has the key
     path: str = ""                  # once known (from a summary or the manifest)
     current: bool = False
+    voided: bool = False            # a failed commit's copy that its twin voids
 
     @property
     def where(self) -> str:
@@ -198,9 +202,11 @@ class Scrubber:
         self._t.add("versions", sum(len(g) for g in groups.values()))
         self._t.phase = "manifests"
         for versions in groups.values():
-            cur = current_of([v.ref for v in versions], committed)
+            refs = [v.ref for v in versions]
+            cur, void = current_of(refs, committed), voided(refs)
             for v in versions:
                 v.current = v.ref == cur
+                v.voided = v.ref.state != "failed" and v.ref.order in void
         await self._each([v for g in groups.values() for v in g], lambda v: self._check_version(v, repair))
         self._t.phase = "chunks"
         self._t.add("chunks_total", len(self._chunks))
@@ -326,6 +332,9 @@ class Scrubber:
     async def _check_version(self, v: _Version, repair: bool) -> None:
         """Every copy of one version key on its holders and its placement; collects its chunks."""
         key = v.ref.key
+        if v.voided:
+            await self._delete_voided(v, repair)
+            return
         placement = place(v.ref.path_hash, self._pool.names, self._replicas)
         state: dict[str, str] = {}
         good: bytes | None = None
@@ -388,6 +397,20 @@ class Scrubber:
                 named = chunk.blocks.setdefault(c.blocks, [])
                 if not named or named[-1] is not v:
                     named.append(v)
+
+    async def _delete_voided(self, v: _Version, repair: bool) -> None:
+        """A voided copy counts for nothing and names nothing a reader needs: reported, and with
+        repair deleted (its twin stays until a commit of the path sees the copy gone)."""
+        self._t.add("voided")
+        v.path = v.path or await self._path_of([v]) or ""
+        self._problem("manifest", "voided", v.ref.key, "", v.where, f"listed on {', '.join(v.holders)}")
+        for name in v.holders if repair else ():
+            try:
+                await self._pool.delete(name, v.ref.key)
+            except StoreError as e:
+                self._problem("manifest", "repair failed", v.ref.key, name, v.where, str(e))
+            else:
+                log.info("scrub: deleted the voided copy %s on store %r (%s)", v.ref.key, name, v.where)
 
     async def _repair_version(self, v: _Version, good: bytes, state: dict[str, str], placement: list[str]) -> None:
         # A version deleted since it was read (retired, or a commit that failed below quorum taking

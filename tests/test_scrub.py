@@ -16,12 +16,14 @@ from conftest import cpfs
 from cpfs import chunk as chunkfmt
 from cpfs.catalog import Catalog, VersionRef
 from cpfs.config import load_config
-from cpfs.errors import CorruptChunk
+from cpfs.errors import CorruptChunk, StoreError
 from cpfs.manifest import ChunkEntry, Manifest, path_hash
 from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.scrub import ScrubReport, Scrubber
 from cpfs.store import FaultyStore, open_store
+
+from test_catalog import commit_bytes, make_pool, refusing_catalog, version_files
 
 CHUNK = 256 * 1024
 FILES = ("/tree/a.bin", "/tree/b.bin", "/tree/sub/c.bin")
@@ -296,6 +298,29 @@ async def test_readers_find_copies_on_the_current_placement(tmp_path: Path) -> N
         entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, stores)
         assert await pool.fetch_chunk(entry, "drill") == data
     assert pool.replica_statistics().repairs_dropped == 0
+
+
+async def test_a_voided_copy_is_reported_and_repair_deletes_it(tmp_path: Path) -> None:
+    """A failed commit whose copy s0 would not take back: scrub names it as voided (not as a version
+    to repair), and --repair deletes it; the file stays at its last committed version throughout."""
+    cat, wrappers = refusing_catalog(tmp_path, stores=3)
+    v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
+    for w in wrappers:
+        w.refusing = w.name != "s0"
+    wrappers[0].refusing_deletes = True
+    with pytest.raises(StoreError):
+        await commit_bytes(cat, "/ckpt.pt", b"new bytes")
+    pool = make_pool(tmp_path, stores=3)
+    voided = "00000000000000000002.ab.ok.json"
+    report = await Scrubber(pool, Catalog(pool)).run()
+    assert report.stats.voided == 1 and voided in version_files(tmp_path, "s0", "/ckpt.pt")
+    assert [(p.kind, p.where) for p in report.problems if p.key.endswith(voided)] \
+        == [("voided", "/ckpt.pt version 2")]
+    report = await Scrubber(pool, Catalog(pool)).run(repair=True)
+    assert report.stats.voided == 1 and report.ok
+    assert all(voided not in version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1", "s2"))
+    assert (await Catalog(pool).get("/ckpt.pt")).chunks == v1.chunks
+    assert (await Scrubber(pool, Catalog(pool)).run()).stats.voided == 0
 
 
 # ---- lost chunks, and PATH ------------------------------------------------------------------------
