@@ -149,7 +149,7 @@ class Writing:
     unlinked: bool = False
     failed: bool = False       # the last flush or fsync failed (and its caller was told)
     # Held by a commit of the session (from before its upload to after its transaction) and by a
-    # rename, unlink or link of the file: each lands under the names the other left (`_names_fixed`).
+    # rename, unlink or link of the file: each lands under the names the other left (`_names_changing`).
     naming: trio.Lock = field(default_factory=trio.Lock)
 
 
@@ -583,16 +583,18 @@ class CpfsOperations(pyfuse3.Operations):
             done.set()
 
     @contextlib.asynccontextmanager
-    async def _names_fixed(self, *nodes: Node) -> AsyncIterator[None]:
-        """Around a rename, an unlink or a link of these files: wait for a commit of their write
-        sessions under way (it names the file before its transaction; landing after our change, it
-        brought back the old name) and hold off the next until our change is done. In inode order, so
-        two of these never wait for each other."""
-        sessions = {n.ino: w for n in nodes if (w := self.writing.get(n.ino)) is not None}
-        async with contextlib.AsyncExitStack() as held:
-            for ino in sorted(sessions):
-                await held.enter_async_context(sessions[ino].naming)
-            yield
+    async def _names_changing(self, *nodes: Node) -> AsyncIterator[None]:
+        """Around a rename, an unlink or a link of these files; entered right after `_settled` of
+        their inodes. Holds off other commits outside a session (`_settling_commit`); then waits for a
+        commit of their write sessions under way (it names the file before its transaction; landing
+        after our change, it brought back the old name) and holds off the next until our change is
+        done. The sessions in inode order, so two of these never wait for each other."""
+        with self._settling_commit(*dict.fromkeys(n.ino for n in nodes)):
+            sessions = {n.ino: w for n in nodes if (w := self.writing.get(n.ino)) is not None}
+            async with contextlib.AsyncExitStack() as held:
+                for ino in sorted(sessions):
+                    await held.enter_async_context(sessions[ino].naming)
+                yield
 
     @boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -913,9 +915,8 @@ class CpfsOperations(pyfuse3.Operations):
         # A commit of it under way (a chmod) goes first: made from the version before, it would undo us.
         if await self._settled(node.ino):
             return await self.unlink(parent_inode, name, ctx)
-        with self._settling_commit(node.ino):
-            async with self._names_fixed(node):
-                await self._unlink(parent, node, name)
+        async with self._names_changing(node):
+            await self._unlink(parent, node, name)
 
     async def _unlink(self, parent: Node, node: Node, name: bytes) -> None:
         if node.is_dir:
@@ -972,13 +973,13 @@ class CpfsOperations(pyfuse3.Operations):
         target = new_parent.children.get(new_name)
         if target == node.ino:
             return                 # two names of one file: nothing to do (POSIX)
+        t = None if target is None else self.ns.node(target)
         # A commit of either under way (a chmod) goes first: made from the version before, it would undo us.
         # For a folder, of anything below it too, and none starts until we are done: a write session
         # opened meanwhile would commit under the old name.
-        moved = list(dict.fromkeys(f.ino for f in self.ns.walk(node)))
-        if await self._settled(*moved, target):
+        files = [*self.ns.walk(node), *([] if t is None else [t])]
+        if await self._settled(*(f.ino for f in files)):
             return await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
-        t = None if target is None else self.ns.node(target)
         if t is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:
                 raise pyfuse3.FUSEError(errno.EEXIST)
@@ -988,10 +989,9 @@ class CpfsOperations(pyfuse3.Operations):
                 raise NotEmpty(f"{t.path}: not empty")
         old_path, new_path = posixpath.join(old_parent.path, _name(name_old)), posixpath.join(new_parent.path, new_name)
         linked = [*node.names, *(t.names if t is not None and not t.is_dir else [])]
-        with self._changing(old_path, new_path, *linked), \
-                self._settling_commit(*moved, *([] if target is None else [target])):
+        with self._changing(old_path, new_path, *linked):
             # A commit of a write session of the file, or of one below the folder, goes first.
-            async with self._names_fixed(*self.ns.walk(node), *([] if t is None else [t])):
+            async with self._names_changing(*files):
                 # One transaction for the file, or the folder and every committed name below it: another
                 # mount sees the old tree or the new one, never a mix, and a failure changes nothing.
                 now = time.time_ns()
@@ -1088,8 +1088,8 @@ class CpfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         path = posixpath.join(parent.path, name)
         link = node.summary.link or secrets.token_hex(8)
-        with self._changing(*node.names, path), self._settling_commit(inode):
-            async with self._names_fixed(node):
+        with self._changing(*node.names, path):
+            async with self._names_changing(node):
                 m = dataclasses.replace(await self._manifest(node), link=link, ctime_ns=time.time_ns())
                 committed = await self.catalog.transact(m.at([*node.names, path]))
                 if (other := parent.children.get(name)) is not None:    # a listing showed it meanwhile

@@ -401,7 +401,7 @@ async def test_a_close_racing_a_rename_an_unlink_or_a_link_from_another_thread(t
     left; after a link, both names have the saved bytes. The two commits were not ordered: on the
     code before, the close's commit brought back the old name after an unlink (at every delay) and
     after a rename (at 1 or 2 of the 5 delays, by timing). The link did not fail there; it is
-    ordered all the same (CpfsOperations._names_fixed)."""
+    ordered all the same (CpfsOperations._names_changing)."""
     ctx = pyfuse3.RequestContext()
     async with operations(tmp_path / "cpfs") as (ops, catalog):
         attrs = await new_file(ops, pyfuse3.ROOT_INODE, b"f.bin", os.urandom(MiB))
