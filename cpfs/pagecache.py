@@ -56,6 +56,7 @@ class PageFeeder:
         self.pushes = 0
         self.drops = 0                       # times the kernel was found to have dropped pushed pages
         self.done_at: dict[int, float] = {}  # chunk -> when its interior's push completed
+        self.first_done_at: dict[int, float] = {}    # ... the first time (`forget` keeps it)
         self._lost_span = (0, 0)             # file range of the reads of dropped pages lately seen ...
         self._lost_bytes = 0                 # ... and how many bytes they asked for
         # Chunks a loader declared (cpfs/plan.py) stay in the daemon's cache once the kernel has them,
@@ -132,6 +133,7 @@ class PageFeeder:
             return                          # refused: the reader asks us
         self.done.add(i)
         self.done_at[i] = trio.current_time()
+        self.first_done_at.setdefault(i, self.done_at[i])
         self._release(i)
 
     def _page_sent(self, page: int, error: OSError | None) -> None:
@@ -141,21 +143,22 @@ class PageFeeder:
         for j in self.m.chunk_range(page * PAGE, PAGE):
             self._release(j)
 
-    def lost(self, offset: int, end: int) -> bool:
+    def lost(self, offset: int, end: int, ever: bool = False) -> bool:
         """Whether a read of [offset, end) asks the daemon for pages whose push completed: the kernel
-        dropped them (it never asks for pages it holds)."""
+        dropped them (it never asks for pages it holds). With `ever`, also pages pushed before a
+        `forget` (the daemon then stops counting on them, the reader's statistics do not)."""
         for j in self.m.chunk_range(offset, end - offset):
-            if self.lost_chunk(j):
+            if self.lost_chunk(j, ever):
                 lo, hi = self._interior(j)
                 if offset < hi and lo < end:
                     return True
         return False
 
-    def lost_chunk(self, i: int) -> bool:
+    def lost_chunk(self, i: int, ever: bool = False) -> bool:
         """Whether the kernel was given chunk i's interior over RACE ago: a read of it now means the
         kernel dropped some of those pages (FileReader.read then fetches just the blocks around them)."""
-        now = trio.current_time()
-        return i in self.done and now - self.done_at.get(i, now) >= RACE
+        at = (self.first_done_at if ever else self.done_at).get(i)
+        return at is not None and trio.current_time() - at >= RACE
 
     def dropped_stretch(self, offset: int, end: int) -> bool:
         """Count a read that `lost` flagged; whether the reads of dropped pages, each within STRETCH

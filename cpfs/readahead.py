@@ -98,6 +98,7 @@ class FileStats:
     open: bool
     reads: int
     read_bytes: int              # bytes the reader asked for (that reached the daemon)
+    lost_read_bytes: int         # ... in reads of pages pushed to the kernel that it dropped since
     fetched_bytes: int           # bytes of chunks fetched from the stores for this open file
     demand_fetches: int          # chunk fetches a read of this file waited for
     prefetched_bytes: int        # bytes of the prefetches this file started
@@ -475,7 +476,7 @@ class FileReader:
         self.held: set[int] = set()         # prefetched, pinned, not pushed to the kernel
         self.pending: dict[int, int] = {}   # prefetched chunk -> bytes, not yet seen used
         # counters
-        self.reads = self.read_bytes = self.fetched = self.demand = 0
+        self.reads = self.read_bytes = self.lost_read_bytes = self.fetched = self.demand = 0
         self.prefetched = self.used = self.wasted = 0
         self.feeder = sched.feeder(inode, manifest)
         self.closed = False
@@ -494,8 +495,8 @@ class FileReader:
         else:
             pattern = "unknown"
         return FileStats(path=self.m.path, inode=self.inode, open=not self.closed, reads=self.reads,
-                         read_bytes=self.read_bytes, fetched_bytes=self.fetched, demand_fetches=self.demand,
-                         prefetched_bytes=self.prefetched, prefetch_used_bytes=self.used,
+                         read_bytes=self.read_bytes, lost_read_bytes=self.lost_read_bytes,
+                         fetched_bytes=self.fetched, demand_fetches=self.demand, prefetched_bytes=self.prefetched, prefetch_used_bytes=self.used,
                          prefetch_wasted_bytes=self.wasted + (sum(self.pending.values()) if self.closed else 0),
                          pattern=pattern, window=self.window)
 
@@ -904,6 +905,8 @@ class FileReader:
         chunks = self.m.chunk_range(offset, size)
         if not chunks:
             return b""
+        if self.feeder is not None and self.feeder.lost(offset, end, ever=True):
+            self.lost_read_bytes += end - offset
         if self.feeder is not None and self.feeder.lost(offset, end) and self.feeder.dropped_stretch(offset, end):
             log.info("%s: the kernel dropped pages pushed to it (reads up to %d): pushing the file again as "
                      "it is read", self.m.path, end)

@@ -209,6 +209,8 @@ async def test_a_read_of_pushed_pages_means_the_kernel_dropped_them_and_everythi
     assert feeder.lost(lo, lo + PAGE)                          # pushed a while ago, and asked for again
     feeder.forget()
     assert not feeder.lost(lo, lo + PAGE) and big not in feeder.sent and feeder.drops == 1
+    assert feeder.lost(lo, lo + PAGE, ever=True)               # the reader's statistics still count it
+    assert not feeder.lost(*feeder._interior(other), ever=True)
     feeder.offer(big, data[m.offsets[big]:m.offsets[big + 1]])
     assert pushes == [lo, lo]                                  # pushed again
 

@@ -111,19 +111,14 @@ def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(ma
     path = m.path / f"model.{fmt}"
     versions = cpfs("log", f"model.{fmt}", config=cfg).stdout
 
+    wanted = [k for k in tensors if k.startswith(("layers.2.", "layers.5."))]
+    nbytes = sum(tensors[k].numel() * 4 for k in wanted)
     before, _ = fetched_bytes(m, cfg)
     os.setxattr(path, "user.cpfs.prefetch", b"layers.2.*\nlayers.5.*")
     plan = wait_plan(path)
-    planned, doc = fetched_bytes(m, cfg)
-    wanted = [k for k in tensors if k.startswith(("layers.2.", "layers.5."))]
-    nbytes = sum(tensors[k].numel() * 4 for k in wanted)
-    print(f"\n{fmt}: plan {plan}; fetched {(planned - before) / MiB:.1f} MiB for {nbytes / MiB:.1f} MiB of tensors")
-    assert plan["done"] and plan["tensors"] == 4 and plan["failed_chunks"] == 0
-    assert plan["fetched_bytes"] >= nbytes
-    # + the head, and the neighbours' chunks sharing a page with either end of the two ranges
-    assert nbytes <= planned - before <= 1.3 * nbytes + 2 * 2 * CHUNK
-    assert [p["patterns"] for p in doc["plans"]] == [["layers.2.*", "layers.5.*"]]
-
+    # The load at once, as a loader would: this VM's host reclaims pages nobody touched (pushed pages
+    # are such until the load), and a CI run that read the statistics first (a second) saw the daemon
+    # serve 5.3 of the 8 MiB.
     if fmt == "pt":
         sd = torch.load(path, weights_only=True, mmap=True)
         got = {k: sd[k].clone() for k in wanted}
@@ -131,15 +126,22 @@ def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(ma
     else:
         with safe_open(str(path), "pt") as f:
             got = {k: f.get_tensor(k).clone() for k in wanted}
+    after, doc = fetched_bytes(m, cfg)
+    print(f"\n{fmt}: plan {plan}; fetched {(after - before) / MiB:.1f} MiB for {nbytes / MiB:.1f} MiB of tensors")
     assert all(torch.equal(got[k], tensors[k]) for k in wanted)
-    _, doc = fetched_bytes(m, cfg)
+    assert plan["done"] and plan["tensors"] == 4 and plan["failed_chunks"] == 0
+    # + the head, and the neighbours' chunks sharing a page with either end of the two ranges
+    assert nbytes <= plan["fetched_bytes"] <= 1.3 * nbytes + 2 * 2 * CHUNK
+    assert nbytes <= after - before
+    assert [p["patterns"] for p in doc["plans"]] == [["layers.2.*", "layers.5.*"]]
     # Every page of the declared tensors is with the kernel: the load's reads reach the daemon only for
-    # the file's metadata and for pages the kernel dropped since (this VM's host reclaims cold pages; a
-    # read of one such page brings up to read_ahead_kb, 1 MiB, of kernel readahead: a CI run saw 0.69
-    # MiB). Undeclared, the daemon serves all of it.
-    served = sum(f["read_bytes"] for f in doc["scheduler"]["files"] if f["path"] == f"/model.{fmt}")
-    print(f"the daemon served {served / MiB:.2f} MiB of the {nbytes / MiB:.1f} MiB loaded")
-    assert served <= 0.25 * nbytes
+    # the file's metadata and for pages the kernel dropped since (the daemon counts reads of pages it
+    # had pushed apart). Undeclared, the daemon serves all of it.
+    files = [f for f in doc["scheduler"]["files"] if f["path"] == f"/model.{fmt}"]
+    served, lost = (sum(f[k] for f in files) for k in ("read_bytes", "lost_read_bytes"))
+    print(f"the daemon served {served / MiB:.2f} MiB of the {nbytes / MiB:.1f} MiB loaded, "
+          f"{lost / MiB:.2f} MiB of them pages the kernel had been given and dropped")
+    assert served - lost <= 0.25 * nbytes
 
     assert "user.cpfs.prefetch" not in os.listxattr(path)
     assert cpfs("log", f"model.{fmt}", config=cfg).stdout == versions

@@ -667,8 +667,10 @@ async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks
             demand = sched.statistics().demand_fetches
             lost = [big + BLOCK + 3 * Kernel.PAGE, 4 * big + 5 * Kernel.PAGE, 4 * big + 3 * BLOCK]
             kernel.pages -= {off // Kernel.PAGE for off in lost}
+            before = reader.statistics().lost_read_bytes
             for off in lost:                     # read back to back: no idle moment between them
                 assert await kernel.read(reader, off, 100) == data[off:off + 100]
+            assert before == 0 and reader.statistics().lost_read_bytes == 3 * Kernel.PAGE   # a page each
             events = [(ev, m.chunks.index(next(c for c in m.chunks if c.digest == d))) for _, ev, d in store.log]
             if blocks:
                 assert events == [("blocks", 1), ("blocks", 4), ("blocks", 4)]
