@@ -184,6 +184,7 @@ class Catalog:
         self._summaries: dict[str, Summary] = {}
         self._highest: dict[str, int] = {}        # path hash -> highest version seen or committed here
         self._txns: set[str] = set()              # transactions on write_quorum stores: committed for good
+        self._void_seen: dict[str, set[tuple[int, str]]] = {}   # path hash -> voided orders, last listed
         self._listings = self._fetched = self._read_summaries = 0
         self._commits = self._failed = self._retired = 0
         self._transactions = self._voided = 0
@@ -282,11 +283,26 @@ class Catalog:
         refs = [r for r in map(VersionRef.parse, where) if r is not None]
         if refs:
             self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
+        self._note_voids(h, refs)
         committed = set()
         for txn in {r.txn for r in refs if r.txn}:
             if txn in self._txns or await self._committed(txn):
                 committed.add(txn)
         return refs, where, committed
+
+    def _note_voids(self, h: str, refs: list[VersionRef]) -> None:
+        void = voided(refs)
+        if void:
+            self._void_seen[h] = void
+        else:
+            self._void_seen.pop(h, None)
+
+    def voids(self, s: Summary) -> bool:
+        """Whether the last listing of its path showed this version voided by a twin (see the module
+        doc). A mount that listed it in the moment before its writer voided it shows it until then,
+        and must then go back to the version before, although that one is older."""
+        r = VersionRef.parse(s.key)
+        return r is not None and r.state != "failed" and r.order in self._void_seen.get(r.path_hash, ())
 
     async def _committed(self, txn: str) -> bool:
         """Whether `txn` counts now: its record is listed and its void marker is not."""
@@ -361,6 +377,7 @@ class Catalog:
 
         async def one(h: str, refs: list[VersionRef]) -> None:
             self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
+            self._note_voids(h, refs)
             cur = current_of(refs, committed)
             if cur is None or cur.state == "deleted":
                 return

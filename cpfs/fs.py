@@ -305,7 +305,7 @@ class CpfsOperations(pyfuse3.Operations):
                     log.warning("not showing %s: %s", path, e)
                 continue
             if node.is_dir:
-                if not isinstance(m, Unreadable) and m.directory and _newer(m, node):
+                if not isinstance(m, Unreadable) and m.directory and _newer(m, node, self.catalog):
                     node.set_version(m)         # a folder is a folder: same inode, new attributes
                     self._invalidate(node.ino)  # the kernel checks permissions on its cached ones
                 continue
@@ -313,7 +313,7 @@ class CpfsOperations(pyfuse3.Operations):
                 continue
             if node.aliases or (node.summary is not None and node.summary.link):
                 self._apply_linked(node, path, m)
-            elif _newer(m, node):
+            elif _newer(m, node, self.catalog):
                 parent = self.ns.parent(node)
                 self.ns.replace(node, m)
                 self._invalidate(node.ino, parent.ino, node.name)
@@ -378,7 +378,7 @@ class CpfsOperations(pyfuse3.Operations):
             return      # removed elsewhere: what was opened stays readable; _refresh drops the name
         except ManifestError as e:
             m = Unreadable(node.path, "(current version)", str(e))
-        if not _newer(m, node) or node.ino in self.writing or not self.ns.is_current(node):
+        if not _newer(m, node, self.catalog) or node.ino in self.writing or not self.ns.is_current(node):
             return
         parent = self.ns.parent(node)
         new = self.ns.replace(node, m)
@@ -1104,11 +1104,14 @@ class CpfsOperations(pyfuse3.Operations):
         return self.attributes(node)
 
 
-def _newer(m: Summary | Unreadable, node: Node) -> bool:
-    """Whether a listing's entry for a node's path should replace what the node shows."""
+def _newer(m: Summary | Unreadable, node: Node, catalog: Catalog) -> bool:
+    """Whether a listing's entry for a node's path should replace what the node shows: a newer
+    version, or any other if the node's was voided since (a failed commit this mount listed in the
+    moment before its writer voided it: cpfs/catalog.py)."""
     if isinstance(m, Unreadable):
         return not node.broken
-    return node.summary is None or m.order > node.summary.order
+    return node.summary is None or m.order > node.summary.order \
+        or (m.order != node.summary.order and catalog.voids(node.summary))
 
 
 def _kernel_forget(ino: int, parent: int | None, name: str | None) -> None:

@@ -5,6 +5,7 @@ release is still at work; a chmod, a rename or a truncate from another thread ca
 Each must start from what the one before committed (CpfsOperations._settled)."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -22,12 +23,17 @@ from conftest import write_config
 from cpfs.cache import ChunkCache
 from cpfs.catalog import Catalog
 from cpfs.config import load_config
-from cpfs.errors import NotFound
+from cpfs.errors import NotFound, StoreDenied, StoreError
 from cpfs.fs import CpfsOperations
+from cpfs.manifest import path_hash
 from cpfs.namespace import Namespace
+from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.readahead import Scheduler
 from cpfs.store import FaultyStore, open_store
+from cpfs.store.base import StoreWrapper
+
+from test_catalog import commit_bytes
 
 MiB = 1 << 20
 ROUNDS = 40
@@ -492,3 +498,70 @@ async def test_a_save_below_a_folder_being_renamed_lands_under_its_new_name(tmp_
         fh = (await ops.open(attrs.st_ino, os.O_RDONLY, ctx)).fh
         assert await ops.read(fh, 0, 3 * MiB) == data
         await ops.release(fh)
+
+
+class HeldDeletes(StoreWrapper):
+    """Refuses puts of ok versions unless `accepting`; holds deletes of manifests until `release`, then
+    refuses them (`deleting` says one is held)."""
+
+    def __init__(self, inner, accepting: bool, release: trio.Event) -> None:
+        super().__init__(inner)
+        self.accepting, self.release, self.deleting = accepting, release, False
+
+    async def put(self, key: str, data) -> None:
+        if not self.accepting and key.endswith(".ok.json"):
+            raise StoreDenied(self.name, f"refusing {key} (test)")
+        await self.inner.put(key, data)
+
+    async def delete(self, key: str) -> None:
+        if key.startswith("manifests/"):
+            self.deleting = True
+            await self.release.wait()
+            raise StoreDenied(self.name, f"refusing to delete {key} (test)")
+        await self.inner.delete(key)
+
+
+async def test_a_mount_that_listed_a_failed_commit_before_it_was_voided_goes_back(tmp_path: Path) -> None:
+    """Another mount's commit of /f fails below quorum, and the store that took its manifest will not
+    delete it. In the moment before its writer voids that copy (cpfs/catalog.py: its failed twin), this
+    mount opens the file and shows that version. Once the twin is there, it goes back to the version
+    before, although that one is older: the writer was told its save failed."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path) as (ops, _):
+        await new_file(ops, pyfuse3.ROOT_INODE, b"f", b"version 1")
+        config = load_config(str(tmp_path / "cpfs.toml"))
+        first = place(path_hash("/f"), [s.name for s in config.stores], config.replicas)[0]
+        release = trio.Event()
+        wrappers = [HeldDeletes(open_store(s), s.name == first, release) for s in config.stores]
+        writer = Catalog(StorePool(config, stores=wrappers), writer="bb")
+
+        async def read(ino: int) -> bytes:
+            fh = (await ops.open(ino, os.O_RDONLY, ctx)).fh
+            try:
+                return bytes(await ops.read(fh, 0, 100))
+            finally:
+                await ops.release(fh)
+
+        async def reopened(ino: int) -> int:
+            """The file's inode once a newer listing replaced `ino` (open answers ESTALE, the kernel
+            looks the name up again)."""
+            await trio.sleep(ops.config.refresh)        # open looks for a newer version once per refresh
+            with pytest.raises(pyfuse3.FUSEError) as e:
+                await ops.open(ino, os.O_RDONLY, ctx)
+            assert e.value.errno == errno.ESTALE
+            return (await ops.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+
+        ino = (await ops.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+        async with trio.open_nursery() as n:
+            async def commit() -> None:
+                with pytest.raises(StoreError):
+                    await commit_bytes(writer, "/f", b"version 2, failed")
+            n.start_soon(commit)
+            while not any(w.deleting for w in wrappers):
+                await trio.sleep(0.01)
+            ino = await reopened(ino)
+            assert await read(ino) == b"version 2, failed"     # listed before it was voided
+            release.set()
+        assert writer.statistics().voided == 1
+        ino = await reopened(ino)
+        assert await read(ino) == b"version 1"
