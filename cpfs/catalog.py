@@ -185,6 +185,7 @@ class Catalog:
         self._highest: dict[str, int] = {}        # path hash -> highest version seen or committed here
         self._txns: set[str] = set()              # transactions on write_quorum stores: committed for good
         self._void_seen: dict[str, set[tuple[int, str]]] = {}   # path hash -> voided orders, last listed
+        self._txns_voided: set[str] = set()       # transactions whose void marker a listing showed
         self._listings = self._fetched = self._read_summaries = 0
         self._commits = self._failed = self._retired = 0
         self._transactions = self._voided = 0
@@ -298,11 +299,13 @@ class Catalog:
             self._void_seen.pop(h, None)
 
     def voids(self, s: Summary) -> bool:
-        """Whether the last listing of its path showed this version voided by a twin (see the module
-        doc). A mount that listed it in the moment before its writer voided it shows it until then,
-        and must then go back to the version before, although that one is older."""
+        """Whether a listing showed this version voided: by a twin (the last listing of its path), or
+        as part of a transaction with a void marker (see the module doc). A mount that listed it in the
+        moment before its writer voided it shows it until then, and must then go back to the version
+        before, although that one is older."""
         r = VersionRef.parse(s.key)
-        return r is not None and r.state != "failed" and r.order in self._void_seen.get(r.path_hash, ())
+        return r is not None and r.state != "failed" and (
+            r.order in self._void_seen.get(r.path_hash, ()) or r.txn in self._txns_voided)
 
     async def _committed(self, txn: str) -> bool:
         """Whether `txn` counts now: its record is listed and its void marker is not."""
@@ -313,6 +316,7 @@ class Catalog:
         """The transactions that count by a listing of records (key -> stores); remembers for good
         those on write_quorum stores (see the module doc)."""
         records, void = txns_listed(where)
+        self._txns_voided |= void
         counting = records - void
         self._txns |= {t for t in counting if len(where[txn_key(t)]) >= self._cfg.write_quorum}
         return counting

@@ -142,6 +142,9 @@ async def test_a_failed_transaction_whose_record_cannot_be_taken_back_is_voided(
     with pytest.raises(NotFound):
         await other.current("/run/final/model.pt")
     assert [i.ref.version for i in await other.history("/run/step_1/model.pt")] == [1]
+    # A mount that showed the move's versions before the marker goes back (CpfsOperations._apply).
+    s = await other.current("/run/step_1/model.pt")
+    assert not other.voids(s) and all(other.voids(dataclasses.replace(s, key=k)) for k in txn_version_keys(tmp_path))
     left = len(txn_version_keys(tmp_path))
     assert left == 2 * len(FILES)          # s0 refused their deletes as well
     report = await GarbageCollector(make_pool(tmp_path), grace=0).run()
