@@ -496,7 +496,8 @@ class FileReader:
             pattern = "unknown"
         return FileStats(path=self.m.path, inode=self.inode, open=not self.closed, reads=self.reads,
                          read_bytes=self.read_bytes, lost_read_bytes=self.lost_read_bytes,
-                         fetched_bytes=self.fetched, demand_fetches=self.demand, prefetched_bytes=self.prefetched, prefetch_used_bytes=self.used,
+                         fetched_bytes=self.fetched, demand_fetches=self.demand,
+                         prefetched_bytes=self.prefetched, prefetch_used_bytes=self.used,
                          prefetch_wasted_bytes=self.wasted + (sum(self.pending.values()) if self.closed else 0),
                          pattern=pattern, window=self.window)
 
