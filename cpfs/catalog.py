@@ -10,7 +10,8 @@ Invariants, and why:
   cancelled put may still land) is voided: its writer writes a "failed" key of the same version and
   writer (its twin) to every store that takes it, and never uses that version again. A twin voids its
   ok or deleted key wherever they are listed, so the writer, told that its commit failed, is right
-  on every mount. Only if no store takes the twin either can the copy count (logged as an error).
+  on every mount. Only if no store takes the twin either can the copy count (logged as an error);
+  the writer's next commit, of any path, tries the twin again.
 - The current version of a path is its highest (version, writer) whose state is not "failed" and that
   no twin voids; if that one is "deleted", the path does not exist. Key names alone decide it, so a
   refresh lists and then reads only the summaries it has not seen (keys are immutable: summaries are
@@ -153,6 +154,7 @@ class CatalogStats:
     retired: int            # old versions deleted
     transactions: int       # multi-path commits (folder renames, hard links) committed here
     voided: int             # failed commits whose copy could not be deleted, voided by a twin or marker
+    unvoided: int           # ... whose twin or marker no store took yet: they may count (retried)
 
 
 def voided(refs: Iterable[VersionRef]) -> set[tuple[int, str]]:
@@ -189,11 +191,13 @@ class Catalog:
         self._listings = self._fetched = self._read_summaries = 0
         self._commits = self._failed = self._retired = 0
         self._transactions = self._voided = 0
+        self._unvoided: dict[str, bytes] = {}     # twin or marker key -> bytes: no store took it yet
 
     def statistics(self) -> CatalogStats:
         return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
                             cached=len(self._summaries), commits=self._commits, failed_commits=self._failed,
-                            retired=self._retired, transactions=self._transactions, voided=self._voided)
+                            retired=self._retired, transactions=self._transactions, voided=self._voided,
+                            unvoided=len(self._unvoided))
 
     # -- reading ---------------------------------------------------------------------------------
     async def _list(self, prefix: str) -> dict[str, list[str]]:
@@ -477,6 +481,7 @@ class Catalog:
         if len(plan) == 1:
             m, state = plan[0]
             return [await self._commit(m, state, "")][:len(writes)]
+        await self._retry_voids()
         txn = secrets.token_hex(8)
         written: list[tuple[list[str], str]] = []      # (stores, key) of the versions, to take back on failure
 
@@ -562,6 +567,7 @@ class Catalog:
         where[ref.key] = held
 
     async def _commit(self, manifest: Manifest, state: str, reason: str) -> Manifest:
+        await self._retry_voids()
         refs, where, committed = await self._listed_refs(manifest.path)
         new, ref, targets = self._next(manifest, refs, state, reason)
         try:
@@ -600,14 +606,24 @@ class Catalog:
         return [name for name, _ in out.errors]
 
     async def _void(self, key: str, data: bytes) -> bool:
-        """Put a twin or a void marker on every store that takes it; whether one did."""
+        """Put a twin or a void marker on every store that takes it; whether one did. If none did,
+        the next commit tries again (`_retry_voids`)."""
         try:
             await self.pool.put_quorum(self.pool.names, key, data, 1)
         except StoreError:
+            self._unvoided[key] = data
             return False
         self._voided += 1
         log.warning("voided a failed commit with %s", key)
         return True
+
+    async def _retry_voids(self) -> None:
+        """Before a commit: the twins and void markers no store took yet, again (a store that refused
+        for a moment must not leave a failed commit counting until the path's next commit)."""
+        for key in list(self._unvoided):
+            data = self._unvoided.pop(key, None)        # another commit may be retrying it
+            if data is not None and await self._void(key, data):
+                log.warning("%s: voided on a later try", key)
 
     async def _retire(self, refs: list[VersionRef], where: dict[str, list[str]], committed: Container[str]) -> None:
         """Delete versions beyond keep_versions (see the module doc), and copies their twin voids. Best

@@ -143,18 +143,24 @@ async def test_a_failed_commit_whose_copy_cannot_be_taken_back_is_voided_by_its_
     assert (await Catalog(make_pool(tmp_path, stores=3)).get("/ckpt.pt")).chunks == v3.chunks
 
 
-async def test_a_failed_commit_that_no_store_lets_us_void_says_so(tmp_path: Path,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
-    """If the twin cannot be written anywhere either, the copy may count: the writer logs an error
-    naming the path, the version and the store."""
+async def test_a_failed_commit_that_no_store_lets_us_void_says_so_and_is_voided_by_the_next_commit(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """If the twin cannot be written anywhere either, the copy counts for now: the writer logs an error
+    naming the path, the version and the store, and its next commit (of any path) tries the twin again."""
     cat, wrappers = refusing_catalog(tmp_path)
-    await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
+    v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
     wrappers[1].refusing = True
     wrappers[0].refusing_deletes = wrappers[0].refusing_twins = True
     with pytest.raises(StoreError):
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
     assert any(r.levelname == "ERROR" and "/ckpt.pt: version 2 failed to commit" in r.getMessage()
                and "s0" in r.getMessage() for r in caplog.records)
+    assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).version == 2        # the hole, for now
+    assert cat.statistics().unvoided == 1
+    wrappers[1].refusing = wrappers[0].refusing_twins = False
+    await commit_bytes(cat, "/other.pt", b"another file")
+    assert cat.statistics().unvoided == 0 and cat.statistics().voided == 1
+    assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
 
 
 async def test_a_cancelled_commit_is_voided_in_case_its_put_still_lands(tmp_path: Path) -> None:

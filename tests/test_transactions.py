@@ -114,7 +114,8 @@ async def test_a_transaction_whose_record_fails_changes_nothing_and_leaves_nothi
     assert cat.statistics().failed_commits == 1
 
 
-async def record_on_s0_only(tmp_path: Path, voids: bool, refuse_deletes: Callable[[str], bool]) -> Catalog:
+async def record_on_s0_only(tmp_path: Path, voids: bool,
+                            refuse_deletes: Callable[[str], bool]) -> tuple[Catalog, list[HoldRecords]]:
     """FILES committed on 2 stores (each record goes to both), then a move of them whose record lands
     on s0 alone (s1 refuses it: below quorum) and which s0 refuses to take back, as it refuses every
     delete `refuse_deletes` picks; with `voids`, s0 takes the void marker. The move must have failed."""
@@ -128,13 +129,13 @@ async def record_on_s0_only(tmp_path: Path, voids: bool, refuse_deletes: Callabl
     with pytest.raises(StoreError):
         await moved(cat, "/run/step_1", "/run/final")
     assert len([p for p in tmp_path.glob("s0/txns/*.json") if ".failed" not in p.name]) == 1   # the record stayed
-    return cat
+    return cat, wrappers
 
 
 async def test_a_failed_transaction_whose_record_cannot_be_taken_back_is_voided(tmp_path: Path) -> None:
     """The record landed on one store, which then refuses to delete it: the void marker makes every
     mount see the old tree; gc deletes the versions left behind, then the record and its marker."""
-    cat = await record_on_s0_only(tmp_path, voids=True, refuse_deletes=lambda key: True)
+    cat, _ = await record_on_s0_only(tmp_path, voids=True, refuse_deletes=lambda key: True)
     assert len(list(tmp_path.glob("s0/txns/*.failed.json"))) == 1
     assert cat.statistics().voided == 1
     assert await paths(tmp_path, stores=2) == set(FILES)
@@ -159,11 +160,16 @@ async def test_a_failed_transaction_whose_record_cannot_be_taken_back_is_voided(
 async def test_a_failed_transaction_that_cannot_be_voided_counts_whole_or_not_at_all(tmp_path: Path) -> None:
     """If no store takes the void marker either, the record may count: the versions are kept, so a
     mount sees every path of the move new, never a mix (and the writer logged an error). Here s0 also
-    refuses to delete the tombstones: taking back the rest would lose every file of the move."""
-    await record_on_s0_only(tmp_path, voids=False,
-                            refuse_deletes=lambda key: key.startswith(TXN_PREFIX) or ".deleted." in key)
+    refuses to delete the tombstones: taking back the rest would lose every file of the move. The
+    writer's next commit tries the marker again: then every path is old again."""
+    cat, wrappers = await record_on_s0_only(
+        tmp_path, voids=False, refuse_deletes=lambda key: key.startswith(TXN_PREFIX) or ".deleted." in key)
     assert list(tmp_path.glob("s*/txns/*.failed.json")) == []
     assert await paths(tmp_path, stores=2) == {p.replace("/run/step_1", "/run/final") for p in FILES}
+    wrappers[0].refuse_voids = False
+    await commit_bytes(cat, "/elsewhere.pt", b"another file")
+    assert len(list(tmp_path.glob("s0/txns/*.failed.json"))) == 1
+    assert await paths(tmp_path, stores=2) == set(FILES) | {"/elsewhere.pt"}
 
 
 async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path: Path) -> None:
