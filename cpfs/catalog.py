@@ -605,7 +605,7 @@ class Catalog:
             log.warning("could not take back %s on store %r: %s", key, name, e)
         return [name for name, _ in out.errors]
 
-    async def _void(self, key: str, data: bytes) -> bool:
+    async def _void(self, key: str, data: bytes, retry: bool = False) -> bool:
         """Put a twin or a void marker on every store that takes it; whether one did. If none did,
         the next commit tries again (`_retry_voids`)."""
         try:
@@ -613,17 +613,18 @@ class Catalog:
         except StoreError:
             self._unvoided[key] = data
             return False
-        self._voided += 1
-        log.warning("voided a failed commit with %s", key)
+        if self._unvoided.pop(key, None) is not None or not retry:    # not twice for one key
+            self._voided += 1
+            log.warning("voided a failed commit with %s%s", key, " on a later try" if retry else "")
         return True
 
     async def _retry_voids(self) -> None:
         """Before a commit: the twins and void markers no store took yet, again (a store that refused
-        for a moment must not leave a failed commit counting until the path's next commit)."""
-        for key in list(self._unvoided):
-            data = self._unvoided.pop(key, None)        # another commit may be retrying it
-            if data is not None and await self._void(key, data):
-                log.warning("%s: voided on a later try", key)
+        for a moment must not leave a failed commit counting until the path's next commit). A key stays
+        pending until a put of it succeeds, also if this is cancelled."""
+        for key, data in list(self._unvoided.items()):
+            if key in self._unvoided:
+                await self._void(key, data, retry=True)
 
     async def _retire(self, refs: list[VersionRef], where: dict[str, list[str]], committed: Container[str]) -> None:
         """Delete versions beyond keep_versions (see the module doc), and copies their twin voids. Best
