@@ -436,8 +436,7 @@ class Catalog:
             self._summaries[ref.key] = new.summary
             where[ref.key] = where[key]
             return ref
-        for name in where[key]:
-            await self._delete_quietly(name, key)
+        await self._delete(where[key], key)
         log.info("migrated %s to %s", key, ref.key)
         self._parsed[ref.key] = new
         self._summaries[ref.key] = new.summary
@@ -519,7 +518,7 @@ class Catalog:
         """A transaction failed: its record first (then no reader counts the rest), voided where a copy
         may remain; then its versions, unless the record may count, so that it counts whole or not at all."""
         if record_stores:
-            left = await self._take_back(record_stores, txn_key(txn))
+            left = await self._delete(record_stores, txn_key(txn))
             if (left or not isinstance(error, StoreError)) and not await self._void(
                     txn_key(txn, void=True), json.dumps({"txn": txn, "writer": self._writer, "host": HOST,
                                                          "failed": _why(error)}).encode()):
@@ -527,7 +526,7 @@ class Catalog:
                           "its versions are kept, so another mount may count it (whole)", txn, left or record_stores)
                 return
         for stores, key in written:
-            await self._take_back(stores, key)     # a leftover never counts without its record: gc deletes it
+            await self._delete(stores, key)     # a leftover never counts without its record: gc deletes it
 
     async def restore(self, path: str, version: int) -> Manifest:
         """Make an old version current again, as a new commit (so a restore is itself undoable)."""
@@ -587,7 +586,7 @@ class Catalog:
         that finds one would see a version the writer was told did not commit. Where a copy may remain
         (a delete failed; a cancelled put may still land), void it with its twin (see the module doc).
         Older versions are untouched."""
-        left = await self._take_back(targets, ref.key)
+        left = await self._delete(targets, ref.key)
         may_remain = bool(left) or not isinstance(error, StoreError)
         if ref.state == "failed" or not may_remain:       # a failed version never counts anyway
             return
@@ -598,11 +597,11 @@ class Catalog:
             log.error("%s: version %d failed to commit, and a copy may remain on %s, which no store let us "
                       "void: another mount may count it", new.path, ref.version, left or targets)
 
-    async def _take_back(self, stores: Sequence[str], key: str) -> list[str]:
-        """Delete `key` on `stores`; the stores where it may remain."""
+    async def _delete(self, stores: Sequence[str], key: str) -> list[str]:
+        """Delete `key` on `stores`, at once; the stores where it may remain (logged)."""
         out = await fan_out(lambda name: self.pool.delete(name, key), stores, catch=StoreError)
         for name, e in out.errors:
-            log.warning("could not take back %s on store %r: %s", key, name, e)
+            log.warning("could not delete %s on store %r: %s", key, name, e)
         return [name for name, _ in out.errors]
 
     async def _void(self, key: str, data: bytes, retry: bool = False) -> bool:
@@ -644,14 +643,8 @@ class Catalog:
             elif r.state == "failed":
                 failed += 1
         for r in doomed:
-            for name in where.get(r.key, []):
-                await self._delete_quietly(name, r.key)
+            await self._delete(where.get(r.key, []), r.key)
             self._parsed.pop(r.key, None)
             self._summaries.pop(r.key, None)
             self._retired += 1
 
-    async def _delete_quietly(self, name: str, key: str) -> None:
-        try:
-            await self.pool.delete(name, key)
-        except StoreError as e:
-            log.warning("could not delete %s on store %r: %s", key, name, e)
