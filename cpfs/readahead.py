@@ -906,9 +906,11 @@ class FileReader:
         chunks = self.m.chunk_range(offset, size)
         if not chunks:
             return b""
-        if self.feeder is not None and self.feeder.lost(offset, end, ever=True):
+        # Pages pushed since the last `forget` were pushed ever, so the second look is only for those.
+        ever = self.feeder is not None and self.feeder.lost(offset, end, ever=True)
+        if ever:
             self.lost_read_bytes += end - offset
-        if self.feeder is not None and self.feeder.lost(offset, end) and self.feeder.dropped_stretch(offset, end):
+        if ever and self.feeder.lost(offset, end) and self.feeder.dropped_stretch(offset, end):
             log.info("%s: the kernel dropped pages pushed to it (reads up to %d): pushing the file again as "
                      "it is read", self.m.path, end)
             self.feeder.forget()
