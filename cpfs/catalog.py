@@ -157,6 +157,11 @@ class CatalogStats:
     unvoided: int           # ... whose twin or marker no store took yet: they may count (retried)
 
 
+class Listing(dict[str, list[str]]):
+    """A listing of every store: key -> the stores that list it."""
+    complete = True         # every store answered (else a key may be on a store it missed)
+
+
 def voided(refs: Iterable[VersionRef]) -> set[tuple[int, str]]:
     """The (version, writer) of every failed key: a failed key voids an ok or deleted key of the same
     version and writer (its twin: see the module doc)."""
@@ -200,9 +205,9 @@ class Catalog:
                             unvoided=len(self._unvoided))
 
     # -- reading ---------------------------------------------------------------------------------
-    async def _list(self, prefix: str) -> dict[str, list[str]]:
+    async def _list(self, prefix: str) -> "Listing":
         """key -> the stores that list it, over every store; fails only if no store answers."""
-        where: dict[str, list[str]] = {}
+        where = Listing()
         errors: list[StoreError] = []
 
         async def one(name: str) -> None:
@@ -221,6 +226,7 @@ class Catalog:
                 n.start_soon(one, name)
         if errors and len(errors) == len(self.pool.names):
             raise errors[0]
+        where.complete = not errors
         return where
 
     async def _fetch(self, key: str, names: Sequence[str]) -> Manifest:
@@ -280,7 +286,7 @@ class Catalog:
         """The whole manifest of a version a listing summarised (chunks, tensor index)."""
         return await self._fetch(s.key, s.stores or self.pool.names)
 
-    async def _refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]], set[str]]:
+    async def _refs(self, path: str) -> tuple[list[VersionRef], Listing, set[str]]:
         """Every version key of a path (those of uncommitted transactions too: they take version
         numbers), where each is listed, and which of the transactions they name have committed."""
         h = path_hash(path)
@@ -485,7 +491,7 @@ class Catalog:
         written: list[tuple[list[str], str]] = []      # (stores, key) of the versions, to take back on failure
 
         async def stage(item: tuple[Manifest, str]) -> tuple[Manifest, VersionRef, list[VersionRef],
-                                                               dict[str, list[str]], set[str]]:
+                                                               Listing, set[str]]:
             refs, where, committed = await self._listed_refs(item[0].path)
             new, ref, targets = self._next(item[0], refs, item[1], "", txn)
             written.append((targets, ref.key))
@@ -540,7 +546,7 @@ class Catalog:
     async def _tombstone(self, m: Manifest) -> None:
         await self._commit(self._tomb(m), "deleted", "")
 
-    async def _listed_refs(self, path: str) -> tuple[list[VersionRef], dict[str, list[str]], set[str]]:
+    async def _listed_refs(self, path: str) -> tuple[list[VersionRef], Listing, set[str]]:
         try:
             return await self._refs(path)
         except StoreError as e:
@@ -625,9 +631,11 @@ class Catalog:
             if key in self._unvoided:
                 await self._void(key, data, retry=True)
 
-    async def _retire(self, refs: list[VersionRef], where: dict[str, list[str]], committed: Container[str]) -> None:
+    async def _retire(self, refs: list[VersionRef], where: Listing, committed: Container[str]) -> None:
         """Delete versions beyond keep_versions (see the module doc), and copies their twin voids. Best
-        effort: a leftover old version is only clutter, never current."""
+        effort: a leftover old version is only clutter, never current. A failed version is deleted only
+        after a listing of every store: it may be the twin of a copy on a store this one missed, which
+        would count again."""
         keep = self._cfg.keep_versions
         ok = failed = 0
         void = voided(refs)
@@ -636,8 +644,8 @@ class Catalog:
         # A transaction's version that does not count yet may be one still committing: never retired.
         for r in sorted(counted(refs, committed), key=lambda r: r.order, reverse=True):
             if ok >= keep or (r.state == "failed" and failed >= keep):
-                if r.order not in twins:        # a twin stays while the copy it voids is listed
-                    doomed.append(r)
+                if r.order not in twins and (r.state != "failed" or where.complete):
+                    doomed.append(r)            # a twin stays while the copy it voids may be listed
             elif r.state == "ok":
                 ok += 1
             elif r.state == "failed":

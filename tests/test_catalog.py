@@ -18,13 +18,15 @@ from cpfs.catalog import Catalog, Unreadable
 from cpfs.config import parse_config
 from cpfs.errors import ManifestError, NotFound, StoreDenied, StoreError
 from cpfs.manifest import ChunkEntry, Manifest, path_hash
+from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.store.directory import DirectoryStore
 
 
 class RefuseManifests:
     """Wraps a store; while `refusing`, puts of manifests fail as a full or read-only store would;
-    while `refusing_deletes`, so do deletes of them; while `refusing_twins`, puts of failed versions."""
+    while `refusing_deletes`, so do deletes of them; while `refusing_twins`, puts of failed versions;
+    while `refusing_lists`, listings of them (a store that is down)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -32,6 +34,12 @@ class RefuseManifests:
         self.refusing = False
         self.refusing_deletes = False
         self.refusing_twins = False
+        self.refusing_lists = False
+
+    async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        if self.refusing_lists and prefix.startswith("manifests/"):
+            raise StoreDenied(self.name, f"refusing to list {prefix} (test)")
+        return await self.inner.list(prefix, start_after, limit)
 
     async def delete(self, key: str) -> None:
         if self.refusing_deletes and key.startswith("manifests/"):
@@ -85,7 +93,7 @@ async def test_versions_count_up_and_history_keeps_the_newest(tmp_path: Path) ->
     assert len(version_files(tmp_path, "s0", "/run/a.pt")) == 3
 
 
-def refusing_catalog(tmp_path: Path, stores: int = 2, kind=RefuseManifests) -> tuple[Catalog, list]:
+def refusing_catalog(tmp_path: Path, stores: int = 2, kind=RefuseManifests, keep: int = 3) -> tuple[Catalog, list]:
     """A catalog (writer "ab") whose stores are wrapped in `kind` (the wrappers, in store order)."""
     wrappers: list = []
 
@@ -93,7 +101,7 @@ def refusing_catalog(tmp_path: Path, stores: int = 2, kind=RefuseManifests) -> t
         wrappers.append(kind(store))
         return wrappers[-1]
 
-    return Catalog(make_pool(tmp_path, stores=stores, wrap=wrap), writer="ab"), wrappers
+    return Catalog(make_pool(tmp_path, stores=stores, keep=keep, wrap=wrap), writer="ab"), wrappers
 
 
 async def test_a_failed_manifest_commit_keeps_the_previous_version_on_every_store(tmp_path: Path) -> None:
@@ -161,6 +169,26 @@ async def test_a_failed_commit_that_no_store_lets_us_void_says_so_and_is_voided_
     await commit_bytes(cat, "/other.pt", b"another file")
     assert cat.statistics().unvoided == 0 and cat.statistics().voided == 1
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
+
+
+async def test_a_twin_is_not_retired_while_a_store_that_may_hold_its_copy_cannot_be_listed(tmp_path: Path) -> None:
+    """The store that kept the copy refused the twin too, so the twin is on another store only. Then
+    the copy's store is down while failed saves push the twin past keep_versions: retiring it then
+    would let the copy count again once that store is back (a failed save, current)."""
+    cat, wrappers = refusing_catalog(tmp_path, stores=3, keep=1)
+    by_name = {w.name: w for w in wrappers}
+    copy, other = (by_name[n] for n in place(path_hash("/ckpt.pt"), list(by_name), 2))
+    v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
+    other.refusing = True                      # below quorum; the copy stays on `copy`, the twin elsewhere
+    copy.refusing_deletes = copy.refusing_twins = True
+    with pytest.raises(StoreError):
+        await commit_bytes(cat, "/ckpt.pt", b"new bytes")
+    other.refusing = copy.refusing_twins = False
+    copy.refusing_lists = True                 # down
+    for _ in range(3):
+        await cat.commit_failed(v1, "an incomplete save")
+    copy.refusing_lists = False                # back
+    assert (await Catalog(make_pool(tmp_path, stores=3)).get("/ckpt.pt")).chunks == v1.chunks
 
 
 async def test_a_cancelled_commit_is_voided_in_case_its_put_still_lands(tmp_path: Path) -> None:
