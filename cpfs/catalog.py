@@ -11,7 +11,8 @@ Invariants, and why:
   writer (its twin) to every store that takes it, and never uses that version again. A twin voids its
   ok or deleted key wherever they are listed, so the writer, told that its commit failed, is right
   on every mount. Only if no store takes the twin either can the copy count (logged as an error);
-  the writer's next commit, of any path, tries the twin again.
+  the writer's next commit, of any path, tries the twin again, and so does the next mount of the same
+  stores on that host if the writer is gone by then (cpfs/voidjournal.py keeps the twin on local disk).
 - The current version of a path is its highest (version, writer) whose state is not "failed" and that
   no twin voids; if that one is "deleted", the path does not exist. Key names alone decide it, so a
   refresh lists and then reads only the summaries it has not seen (keys are immutable: summaries are
@@ -63,6 +64,7 @@ from .placement import place
 from .pool import StorePool
 from .sync import fan_out
 from .upload import in_parallel
+from .voidjournal import VoidJournal
 
 log = logging.getLogger(__name__)
 T = TypeVar("T", Manifest, Summary)
@@ -182,8 +184,9 @@ def current_of(refs: list[VersionRef], committed: Container[str] = ()) -> Versio
 
 
 class Catalog:
-    def __init__(self, pool: StorePool, writer: str = WRITER_ID) -> None:
-        """`writer`: this committer's id (one per process; tests may act as several)."""
+    def __init__(self, pool: StorePool, writer: str = WRITER_ID, journal: VoidJournal | None = None) -> None:
+        """`writer`: this committer's id (one per process; tests may act as several). `journal`: where
+        the twins and markers no store took are kept across restarts (read here, at startup)."""
         self.pool = pool
         self._cfg = pool.config
         self._writer = writer
@@ -196,7 +199,8 @@ class Catalog:
         self._listings = self._fetched = self._read_summaries = 0
         self._commits = self._failed = self._retired = 0
         self._transactions = self._voided = 0
-        self._unvoided: dict[str, bytes] = {}     # twin or marker key -> bytes: no store took it yet
+        self._journal = journal or VoidJournal(None)
+        self._unvoided = self._journal.pending()  # twin or marker key -> bytes: no store took it yet
 
     def statistics(self) -> CatalogStats:
         return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
@@ -486,7 +490,7 @@ class Catalog:
         if len(plan) == 1:
             m, state = plan[0]
             return [await self._commit(m, state, "")][:len(writes)]
-        await self._retry_voids()
+        await self.retry_voids()
         txn = secrets.token_hex(8)
         written: list[tuple[list[str], str]] = []      # (stores, key) of the versions, to take back on failure
 
@@ -572,7 +576,7 @@ class Catalog:
         where[ref.key] = held
 
     async def _commit(self, manifest: Manifest, state: str, reason: str) -> Manifest:
-        await self._retry_voids()
+        await self.retry_voids()
         refs, where, committed = await self._listed_refs(manifest.path)
         new, ref, targets = self._next(manifest, refs, state, reason)
         try:
@@ -612,21 +616,27 @@ class Catalog:
 
     async def _void(self, key: str, data: bytes, retry: bool = False) -> bool:
         """Put a twin or a void marker on every store that takes it; whether one did. If none did,
-        the next commit tries again (`_retry_voids`)."""
+        the next commit tries again (`retry_voids`), in this process or, from its journal, a later one."""
         try:
             await self.pool.put_quorum(self.pool.names, key, data, 1)
         except StoreError:
-            self._unvoided[key] = data
+            if key not in self._unvoided:
+                self._unvoided[key] = data
+                await self._journal.add(key, data)
             return False
-        if self._unvoided.pop(key, None) is not None or not retry:    # not twice for one key
-            self._voided += 1
-            log.warning("voided a failed commit with %s%s", key, " on a later try" if retry else "")
+        if self._unvoided.pop(key, None) is not None:
+            await self._journal.remove(key)
+        elif retry:                                               # not twice for one key
+            return True
+        self._voided += 1
+        log.warning("voided a failed commit with %s%s", key, " on a later try" if retry else "")
         return True
 
-    async def _retry_voids(self) -> None:
-        """Before a commit: the twins and void markers no store took yet, again (a store that refused
-        for a moment must not leave a failed commit counting until the path's next commit). A key stays
-        pending until a put of it succeeds, also if this is cancelled."""
+    async def retry_voids(self) -> None:
+        """The twins and void markers no store took yet, again: before each commit (a store that refused
+        for a moment must not leave a failed commit counting until the path's next commit), and when a
+        mount starts (its journal's, left by an earlier process). A key stays pending until a put of it
+        succeeds, also if this is cancelled."""
         for key, data in list(self._unvoided.items()):
             if key in self._unvoided:
                 await self._void(key, data, retry=True)

@@ -27,6 +27,7 @@ from .manifest import Summary, normalize_path
 from .pool import StorePool
 from .readahead import Scheduler
 from .tensor_index import TensorIndex
+from .voidjournal import VoidJournal
 
 
 def _human(n: float) -> str:
@@ -56,7 +57,7 @@ async def _open(config: Config) -> tuple[StorePool, Catalog]:
     pool = StorePool(config)
     await pool.check()
     await _background.get().start(pool.run)
-    return pool, Catalog(pool)
+    return pool, Catalog(pool, journal=VoidJournal.for_config(config))
 
 
 async def cmd_put(config: Config, args: argparse.Namespace) -> int:

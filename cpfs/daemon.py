@@ -39,6 +39,7 @@ from .pagecache import Done
 from .pool import StorePool
 from .readahead import Scheduler
 from .upload import ENCODE_POOL
+from .voidjournal import VoidJournal
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,11 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     check_staging_place(config, staging_dir(config))     # before any store work (prepare_staging checks again)
     pool = StorePool(config)
     await pool.check()
-    catalog = Catalog(pool)
+    catalog = Catalog(pool, journal=VoidJournal.for_config(config))
+    await catalog.retry_voids()            # failed commits an earlier process could not void yet
+    if catalog.statistics().unvoided:
+        log.error("%d failed commits still wait to be voided (no store takes their key): until one does, "
+                  "they may count as current", catalog.statistics().unvoided)
     manifests = await catalog.load_all()
     log.info("%d files in %d stores", len(manifests), len(pool.names))
     cache = ChunkCache(config.cache_memory)

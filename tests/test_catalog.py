@@ -14,13 +14,14 @@ import pytest
 import trio
 
 from cpfs import chunk as chunkfmt
-from cpfs.catalog import Catalog, Unreadable
+from cpfs.catalog import Catalog, Unreadable, VersionRef
 from cpfs.config import parse_config
 from cpfs.errors import ManifestError, NotFound, StoreDenied, StoreError
 from cpfs.manifest import ChunkEntry, Manifest, path_hash
 from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.store.directory import DirectoryStore
+from cpfs.voidjournal import VoidJournal
 
 
 class RefuseManifests:
@@ -169,6 +170,43 @@ async def test_a_failed_commit_that_no_store_lets_us_void_says_so_and_is_voided_
     await commit_bytes(cat, "/other.pt", b"another file")
     assert cat.statistics().unvoided == 0 and cat.statistics().voided == 1
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
+
+
+async def test_a_twin_no_store_took_outlives_its_writer(tmp_path: Path) -> None:
+    """The writer whose failed commit no store let it void is gone (a crash, an unmount) before any store
+    takes the twin. Kept only in its memory, that duty died with it and the failed save stayed current
+    for good; its journal on local disk hands it to the next catalog over the same stores."""
+    journal = VoidJournal(tmp_path / "journal")
+    wrappers: list[RefuseManifests] = []
+    cat = Catalog(make_pool(tmp_path, wrap=lambda s: wrappers.append(RefuseManifests(s)) or wrappers[-1]),
+                  writer="ab", journal=journal)
+    v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
+    wrappers[1].refusing = True
+    wrappers[0].refusing_deletes = wrappers[0].refusing_twins = True
+    with pytest.raises(StoreError):
+        await commit_bytes(cat, "/ckpt.pt", b"new bytes")
+    assert list(journal.pending()) == [VersionRef.key_of(path_hash("/ckpt.pt"), 2, "ab", "failed")]
+    del cat                                             # the writer is gone; the stores take puts again
+    assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).version == 2        # the hole, for now
+    again = Catalog(make_pool(tmp_path), journal=VoidJournal(tmp_path / "journal"))
+    assert again.statistics().unvoided == 1
+    await again.retry_voids()
+    assert again.statistics().unvoided == 0 and again.statistics().voided == 1
+    assert journal.pending() == {} and not list((tmp_path / "journal").iterdir())
+    assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
+
+
+async def test_a_journal_file_that_cannot_be_read_is_kept_and_said(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged journal file is the only record of its duty: it is logged and left, never removed."""
+    journal = VoidJournal(tmp_path / "journal")
+    await journal.add("manifests/x", b"twin bytes")
+    (tmp_path / "journal" / "0123.void").write_bytes(b"no key line")
+    assert journal.pending() == {"manifests/x": b"twin bytes"}
+    assert any(r.levelname == "ERROR" and "0123.void" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "journal" / "0123.void").exists()
+    await journal.remove("manifests/x")
+    assert journal.pending() == {}
 
 
 async def test_a_twin_is_not_retired_while_a_store_that_may_hold_its_copy_cannot_be_listed(tmp_path: Path) -> None:

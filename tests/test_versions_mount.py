@@ -15,7 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import trio
+
+from cpfs.catalog import Catalog
+from cpfs.config import load_config
+from cpfs.errors import StoreError
 from cpfs.manifest import path_hash
+from cpfs.placement import place
+from cpfs.pool import StorePool
+from cpfs.store import open_store
+from cpfs.voidjournal import VoidJournal
+from test_catalog import RefuseManifests, commit_bytes
 from tests.conftest import cpfs
 
 pytestmark = pytest.mark.mount
@@ -130,6 +140,36 @@ def test_a_bad_manifest_makes_only_its_file_unreadable(make_config, tmp_path, mo
     time.sleep(0.5)
     os.listdir(m.path / "dir")              # a listing refreshes the mount's view
     assert (m.path / "dir" / "b.bin").read_bytes() == b"b" * 100
+
+
+async def _fail_a_commit_beyond_voiding(cfg: Path) -> None:
+    """Commit version 2 of /run/ckpt.pt as a writer whose commit fails below quorum, on stores that then
+    refuse to delete its copy and to take its twin; the writer is gone when this returns."""
+    config = load_config(str(cfg))
+    first, second = place(path_hash("/run/ckpt.pt"), [s.name for s in config.stores], config.replicas)
+    wrappers = [RefuseManifests(open_store(s)) for s in config.stores]
+    for w in wrappers:
+        w.refusing, w.refusing_deletes, w.refusing_twins = w.name == second, w.name == first, True
+    catalog = Catalog(StorePool(config, stores=wrappers), writer="ab", journal=VoidJournal.for_config(config))
+    with pytest.raises(StoreError):
+        await commit_bytes(catalog, "/run/ckpt.pt", b"version 2, failed")
+    assert catalog.statistics().unvoided == 1
+
+
+def test_a_failed_commit_its_writer_could_not_void_is_voided_by_the_next_mount(make_config, tmp_path, mount):
+    """The writer was told that its save failed, but its copy stayed on a store and no store took the
+    twin that voids it (cpfs/catalog.py); then the writer went away. The next mount of those stores on
+    this host finds the twin in the journal that writer left (cpfs/voidjournal.py), puts it before its
+    first listing, and shows the version before. Without the journal the failed save stayed current."""
+    cfg = config(make_config, tmp_path)
+    put(cfg, tmp_path, "/run/ckpt.pt", b"version 1")
+    trio.run(_fail_a_commit_beyond_voiding, cfg)
+    assert cat(cfg, "/run/ckpt.pt") == b"version 2, failed"           # the hole, until a mount starts
+    m = mount(cfg)
+    assert (m.path / "run" / "ckpt.pt").read_bytes() == b"version 1"
+    assert "voided a failed commit with" in m.log.read_text() and "on a later try" in m.log.read_text()
+    assert [(e["version"], e["state"]) for e in log(cfg, "/run/ckpt.pt")][:2] == [(2, "failed"), (1, "ok")]
+    assert not list((tmp_path / "staging" / "unvoided").rglob("*.void"))
 
 
 def test_log_and_cat_version_show_what_a_mount_committed(make_config, tmp_path, mount):
