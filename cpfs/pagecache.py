@@ -83,9 +83,14 @@ class PageFeeder:
             pages.add((end - 1) // PAGE)
         return pages
 
-    def offer(self, i: int, data: bytes | memoryview, on_sent: Callable[[], None] | None = None) -> None:
+    def offer(self, i: int, data: bytes | memoryview, on_sent: Callable[[], None] | None = None,
+              again: bool = False) -> None:
         """Chunk i's bytes are here: push its interior once, and every straddling page it completes.
-        `on_sent` runs once the interior is with the kernel (at once if another open pushed it)."""
+        `on_sent` runs once the interior is with the kernel (at once if another open pushed it).
+        `again`: push them even if they were pushed before (the kernel may have dropped them since)."""
+        if again:
+            self.sent.discard(i)
+            self.pages_sent -= self._edges(i)
         if i not in self.sent:
             self.sent.add(i)
             lo, hi = self._interior(i)

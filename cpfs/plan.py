@@ -20,7 +20,9 @@ best replica), into the kernel's page cache, so the loader's reads and mmap faul
 
 The attribute is not stored: setting it starts the plan and returns (EINVAL with a log line if the
 file has no tensor index or no tensor matches). Reading it back gives the plan's progress as JSON
-(`Plan.statistics()`); removing it stops the plan; setting it again replaces it. It is never listed.
+(`Plan.statistics()`); removing it stops the plan; setting it again replaces it, and pushes again
+what the kernel was given over a second ago and the daemon still holds (the kernel may have dropped it
+since; `Plan.run`). It is never listed.
 A plan pins at most fetch_concurrency chunks in the daemon's cache at a time: each is released once
 the kernel holds its pages, so a plan as large as the checkpoint keeps the daemon's memory bounded.
 While a file's plan stands (done or not, until removed or replaced), its readers prefetch nothing
@@ -120,6 +122,7 @@ class PlanStats:
     fetched_chunks: int     # fetched by the plan (or found in the daemon's cache)
     fetched_bytes: int
     in_kernel_chunks: int   # already with the kernel when the plan reached them
+    pushed_again_chunks: int  # pushed long enough ago that the kernel may have dropped them: pushed again
     failed_chunks: int      # no replica could be read (logged; a read of them reports the error)
     done: bool
     seconds: float          # since the plan started (until it ended, once done)
@@ -142,14 +145,15 @@ class Plan:
         self.scope = trio.CancelScope()
         self._started = trio.current_time()
         self._ended: float | None = None
-        self._fetched = self._fetched_bytes = self._in_kernel = self._failed = 0
+        self._fetched = self._fetched_bytes = self._in_kernel = self._again = self._failed = 0
 
     def statistics(self) -> PlanStats:
         end = self._ended if self._ended is not None else trio.current_time()
         return PlanStats(
             path=self.m.path, patterns=self.patterns, tensors=self.tensors, chunks=len(self.chunks),
             bytes=self._bytes, fetched_chunks=self._fetched,
-            fetched_bytes=self._fetched_bytes, in_kernel_chunks=self._in_kernel, failed_chunks=self._failed,
+            fetched_bytes=self._fetched_bytes, in_kernel_chunks=self._in_kernel,
+            pushed_again_chunks=self._again, failed_chunks=self._failed,
             done=self._ended is not None, seconds=end - self._started)
 
     @property
@@ -161,28 +165,39 @@ class Plan:
 
     async def run(self) -> None:
         """Fetch the chunks in loader order; each is pinned until the kernel holds it (or, without a
-        page-cache feeder, until fetched), so at most fetch_concurrency are in the daemon at once."""
+        page-cache feeder, until fetched), so at most fetch_concurrency are in the daemon at once.
+        A chunk pushed before is skipped, unless its push is over RACE old and the daemon still holds
+        it (a declared chunk stays cached): the kernel may have dropped its pages since without a word
+        (this VM's host reclaims untouched pages in seconds), and an earlier plan of the same tensors
+        then pushed nothing, so the loader faulted each page in on demand. Pushing the cached bytes
+        again costs a copy, no fetch."""
         feeder = self.sched.feeder(self.inode, self.m)
         slots = trio.CapacityLimiter(self.sched.config.fetch_concurrency)
         try:
             with self.scope:
                 async with trio.open_nursery() as n:
                     for i in self.chunks:
+                        again = False
                         if feeder is not None and i in feeder.sent:
-                            self._in_kernel += 1
-                            continue
+                            again = feeder.lost_chunk(i) and self.m.chunks[i].digest in self.sched.cache
+                            if not again:
+                                self._in_kernel += 1
+                                continue
+                            self._again += 1
                         token = object()
                         await slots.acquire_on_behalf_of(token)
-                        n.start_soon(self._one, i, feeder, slots, token)
+                        n.start_soon(self._one, i, feeder, slots, token, again)
         finally:
             self._ended = trio.current_time()
             s = self.statistics()
             log.info("%s: declared prefetch (%s) %s: %d tensors, %d of %d chunks fetched (%.1f MiB), %d already "
-                     "with the kernel, %d failed, %.2f s", self.m.path, ", ".join(self.patterns),
+                     "with the kernel, %d pushed again, %d failed, %.2f s", self.m.path, ", ".join(self.patterns),
                      "cancelled" if self.scope.cancelled_caught else "done", s.tensors, s.fetched_chunks,
-                     s.chunks, s.fetched_bytes / 2**20, s.in_kernel_chunks, s.failed_chunks, s.seconds)
+                     s.chunks, s.fetched_bytes / 2**20, s.in_kernel_chunks, s.pushed_again_chunks, s.failed_chunks,
+                     s.seconds)
 
-    async def _one(self, i: int, feeder: PageFeeder | None, slots: trio.CapacityLimiter, token: object) -> None:
+    async def _one(self, i: int, feeder: PageFeeder | None, slots: trio.CapacityLimiter, token: object,
+                   again: bool = False) -> None:
         entry = self.m.chunks[i]
         cache = self.sched.cache
         handed = False
@@ -201,7 +216,7 @@ class Plan:
                         cache.unpin(entry.digest)
                     slots.release_on_behalf_of(token)
                     pushed.set()
-                feeder.offer(i, data, landed)
+                feeder.offer(i, data, landed, again)
                 handed = True
                 await pushed.wait()             # done means with the kernel (or refused by it)
             elif pinned:

@@ -8,6 +8,7 @@ import trio
 import trio.testing
 
 from cpfs.cache import ChunkCache
+from cpfs.pagecache import RACE
 from cpfs.plan import Plan, PlanError, chunks_for, parse_patterns
 from cpfs.readahead import Scheduler
 from test_readahead import CHUNK, FakeStore, Kernel, checkpoint, config, cut_checkpoint, fetched, make_file
@@ -100,6 +101,40 @@ async def test_a_plan_skips_what_the_kernel_holds_and_counts_chunks_no_store_giv
     s = second.statistics()
     assert s.in_kernel_chunks == 2 + 4                                  # the head and t0, pushed before
     assert (s.fetched_chunks, s.failed_chunks) == (3, 1)
+
+
+async def test_a_plan_declared_again_after_the_kernel_dropped_its_pages_pushes_them_again(autojump_clock):
+    """A loader declares the same tensors again (a restarted rank on the node) after the kernel dropped
+    their pages without a word (memory pressure; this VM's host reclaims untouched pages). The feeder
+    still takes them for the kernel's; the chunks the daemon kept cached (declared ones are) go to the
+    kernel again, without a fetch. A plan right after a push (under RACE) trusts the kernel."""
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store, tensors=4, per=4)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(), on_chunk=kernel.push)
+    first = Plan(sched, 7, m, index, ("t1",))
+    sched.declare(7, m, frozenset(first.chunks))
+    async with trio.open_nursery() as n:
+        await first.run()
+        await trio.testing.wait_all_tasks_blocked()
+        soon = Plan(sched, 7, m, index, ("t1",))
+        await soon.run()
+        assert (soon.statistics().in_kernel_chunks, soon.statistics().pushed_again_chunks) == (len(first.chunks), 0)
+        await trio.sleep(2 * RACE)
+        kernel.pages.clear()                                # dropped, unseen by the daemon
+        fetches = len(store.log)
+        again = Plan(sched, 7, m, index, ("t1",))
+        sched.declare(7, m, frozenset(again.chunks))
+        await again.run()
+        await trio.testing.wait_all_tasks_blocked()
+        n.cancel_scope.cancel()
+    s = again.statistics()
+    assert (s.pushed_again_chunks, s.in_kernel_chunks, s.failed_chunks) == (len(first.chunks), 0, 0)
+    assert len(store.log) == fetches                        # from the daemon's cache: nothing fetched
+    t1 = index.tensors[1]
+    pages = range(-(-t1.offset // 4096), (t1.offset + t1.length) // 4096)
+    assert all(p in kernel.pages for p in pages)
+    assert bytes(kernel.data[t1.offset:t1.offset + t1.length]) == data[t1.offset:t1.offset + t1.length]
 
 
 async def test_cancelling_a_plan_stops_its_fetches_and_releases_its_pins(autojump_clock):

@@ -70,8 +70,8 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     assert "file /f.bin: read_bytes 8.0 MiB, fetched_bytes 4.0 MiB" in text
     assert "declared prefetch" not in text
     now["plans"] = [{"path": "/m.pt", "patterns": ["layers.1.*"], "tensors": 3, "chunks": 4, "bytes": 8 * MiB,
-                     "fetched_chunks": 2, "fetched_bytes": 4 * MiB, "in_kernel_chunks": 0, "failed_chunks": 0,
-                     "done": False, "seconds": 0.5}]
+                     "fetched_chunks": 2, "fetched_bytes": 4 * MiB, "in_kernel_chunks": 0, "pushed_again_chunks": 0,
+                     "failed_chunks": 0, "done": False, "seconds": 0.5}]
     assert ("declared prefetch /m.pt (layers.1.*): 3 tensors, 4.0 of 8.0 MiB fetched, 0 chunks failed, "
             "running (0.5 s)") in render(now, before)
     assert "batches" not in render(now, before) and "pages the kernel lost" not in render(now, before)
