@@ -16,45 +16,16 @@ import trio
 from cpfs import chunk as chunkfmt
 from cpfs.catalog import Catalog, Unreadable, VersionRef
 from cpfs.config import parse_config
-from cpfs.errors import ManifestError, NotFound, StoreDenied, StoreError
+from cpfs.errors import ManifestError, NotFound, StoreError
 from cpfs.manifest import ChunkEntry, Manifest, path_hash
 from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.store.directory import DirectoryStore
+from cpfs.store.faulty import FaultyStore
 from cpfs.voidjournal import VoidJournal
 
 
-class RefuseManifests:
-    """Wraps a store; while `refusing`, puts of manifests fail as a full or read-only store would;
-    while `refusing_deletes`, so do deletes of them; while `refusing_twins`, puts of failed versions;
-    while `refusing_lists`, listings of them (a store that is down)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.refusing = False
-        self.refusing_deletes = False
-        self.refusing_twins = False
-        self.refusing_lists = False
-
-    async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:
-        if self.refusing_lists and prefix.startswith("manifests/"):
-            raise StoreDenied(self.name, f"refusing to list {prefix} (test)")
-        return await self.inner.list(prefix, start_after, limit)
-
-    async def delete(self, key: str) -> None:
-        if self.refusing_deletes and key.startswith("manifests/"):
-            raise StoreDenied(self.name, f"refusing to delete {key} (test)")
-        await self.inner.delete(key)
-
-    def __getattr__(self, attr: str):
-        return getattr(self.inner, attr)
-
-    async def put(self, key: str, data) -> None:
-        if self.refusing and key.startswith("manifests/") \
-                or self.refusing_twins and key.endswith(".failed.json"):
-            raise StoreDenied(self.name, f"refusing {key} (test)")
-        await self.inner.put(key, data)
+MANIFESTS, TWINS = "manifests/*", "*.failed.json"    # the keys the tests' fault rules pick
 
 
 def make_pool(tmp_path: Path, stores: int = 2, replicas: int = 2, keep: int = 3, quorum: int | None = None,
@@ -94,15 +65,19 @@ async def test_versions_count_up_and_history_keeps_the_newest(tmp_path: Path) ->
     assert len(version_files(tmp_path, "s0", "/run/a.pt")) == 3
 
 
-def refusing_catalog(tmp_path: Path, stores: int = 2, kind=RefuseManifests, keep: int = 3) -> tuple[Catalog, list]:
-    """A catalog (writer "ab") whose stores are wrapped in `kind` (the wrappers, in store order)."""
+def refusing_catalog(tmp_path: Path, stores: int = 2, kind=FaultyStore, keep: int = 3,
+                     quorum: int | None = None) -> tuple[Catalog, list]:
+    """A catalog (writer "ab") whose folder stores are each in a `kind` of FaultyStore (the wrappers, in
+    store order), whose rules the test sets: `refuse("put", MANIFESTS)` (a full or read-only store),
+    `refuse("delete", MANIFESTS)`, `refuse("put", TWINS)`, `refuse("list", MANIFESTS)` (a store that
+    is down); `allow()` ends them."""
     wrappers: list = []
 
     def wrap(store):
         wrappers.append(kind(store))
         return wrappers[-1]
 
-    return Catalog(make_pool(tmp_path, stores=stores, keep=keep, wrap=wrap), writer="ab"), wrappers
+    return Catalog(make_pool(tmp_path, stores=stores, keep=keep, quorum=quorum, wrap=wrap), writer="ab"), wrappers
 
 
 async def test_a_failed_manifest_commit_keeps_the_previous_version_on_every_store(tmp_path: Path) -> None:
@@ -111,14 +86,14 @@ async def test_a_failed_manifest_commit_keeps_the_previous_version_on_every_stor
     cat, wrappers = refusing_catalog(tmp_path)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
     before = {s: version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1")}
-    wrappers[1].refusing = True        # s0 takes the new manifest, s1 refuses: below quorum
+    wrappers[1].refuse("put", MANIFESTS)      # s0 takes the new manifest, s1 refuses: below quorum
     with pytest.raises(StoreError):
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
     with pytest.raises(StoreError):    # a chmod/touch-like rewrite takes the same path
         await cat.commit(dataclasses.replace(v1, mode=0o600))
     assert {s: version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1")} == before
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
-    wrappers[1].refusing = False
+    wrappers[1].allow()
     assert (await commit_bytes(cat, "/ckpt.pt", b"new bytes")).version == 2
     assert cat.statistics().voided == 0
 
@@ -130,9 +105,9 @@ async def test_a_failed_commit_whose_copy_cannot_be_taken_back_is_voided_by_its_
     version, listing and history alike; the next commit deletes the copy, and only then its twin."""
     cat, wrappers = refusing_catalog(tmp_path, stores=3)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
-    for w in wrappers:
-        w.refusing = w.name != "s0"    # s0 takes the new manifest, the others refuse: below quorum
-    wrappers[0].refusing_deletes = True
+    for w in wrappers[1:]:
+        w.refuse("put", MANIFESTS)     # s0 takes the new manifest, the others refuse: below quorum
+    wrappers[0].refuse("delete", MANIFESTS)
     with pytest.raises(StoreError):
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
     assert "00000000000000000002.ab.ok.json" in version_files(tmp_path, "s0", "/ckpt.pt")
@@ -144,7 +119,7 @@ async def test_a_failed_commit_whose_copy_cannot_be_taken_back_is_voided_by_its_
     assert hist[0].summary is not None and "commit failed" in hist[0].summary.reason
     assert cat.statistics().voided == 1
     for w in wrappers:
-        w.refusing = w.refusing_deletes = False
+        w.allow()
     v3 = await commit_bytes(cat, "/ckpt.pt", b"new bytes")
     assert v3.version == 3             # a voided version is never used again
     assert [f.split(".")[0][-1] + "." + f.split(".")[2] for f in version_files(tmp_path, "s0", "/ckpt.pt")] \
@@ -158,15 +133,17 @@ async def test_a_failed_commit_that_no_store_lets_us_void_says_so_and_is_voided_
     naming the path, the version and the store, and its next commit (of any path) tries the twin again."""
     cat, wrappers = refusing_catalog(tmp_path)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
-    wrappers[1].refusing = True
-    wrappers[0].refusing_deletes = wrappers[0].refusing_twins = True
+    wrappers[1].refuse("put", MANIFESTS)
+    wrappers[0].refuse("delete", MANIFESTS)
+    twins = wrappers[0].refuse("put", TWINS)
     with pytest.raises(StoreError):
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
     assert any(r.levelname == "ERROR" and "/ckpt.pt: version 2 failed to commit" in r.getMessage()
                and "s0" in r.getMessage() for r in caplog.records)
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).version == 2        # the hole, for now
     assert cat.statistics().unvoided == 1
-    wrappers[1].refusing = wrappers[0].refusing_twins = False
+    wrappers[1].allow()
+    wrappers[0].allow(twins)
     await commit_bytes(cat, "/other.pt", b"another file")
     assert cat.statistics().unvoided == 0 and cat.statistics().voided == 1
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
@@ -177,12 +154,12 @@ async def test_a_twin_no_store_took_outlives_its_writer(tmp_path: Path) -> None:
     takes the twin. Kept only in its memory, that duty died with it and the failed save stayed current
     for good; its journal on local disk hands it to the next catalog over the same stores."""
     journal = VoidJournal(tmp_path / "journal")
-    wrappers: list[RefuseManifests] = []
-    cat = Catalog(make_pool(tmp_path, wrap=lambda s: wrappers.append(RefuseManifests(s)) or wrappers[-1]),
-                  writer="ab", journal=journal)
+    cat, wrappers = refusing_catalog(tmp_path)
+    cat = Catalog(cat.pool, writer="ab", journal=journal)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
-    wrappers[1].refusing = True
-    wrappers[0].refusing_deletes = wrappers[0].refusing_twins = True
+    wrappers[1].refuse("put", MANIFESTS)
+    wrappers[0].refuse("delete", MANIFESTS)
+    wrappers[0].refuse("put", TWINS)
     with pytest.raises(StoreError):
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
     assert list(journal.pending()) == [VersionRef.key_of(path_hash("/ckpt.pt"), 2, "ab", "failed")]
@@ -217,37 +194,38 @@ async def test_a_twin_is_not_retired_while_a_store_that_may_hold_its_copy_cannot
     by_name = {w.name: w for w in wrappers}
     copy, other = (by_name[n] for n in place(path_hash("/ckpt.pt"), list(by_name), 2))
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
-    other.refusing = True                      # below quorum; the copy stays on `copy`, the twin elsewhere
-    copy.refusing_deletes = copy.refusing_twins = True
+    other.refuse("put", MANIFESTS)             # below quorum; the copy stays on `copy`, the twin elsewhere
+    copy.refuse("delete", MANIFESTS)
+    twins = copy.refuse("put", TWINS)
     with pytest.raises(StoreError):
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
-    other.refusing = copy.refusing_twins = False
-    copy.refusing_lists = True                 # down
+    other.allow()
+    copy.allow(twins)
+    down = copy.refuse("list", MANIFESTS)
     for _ in range(3):
         await cat.commit_failed(v1, "an incomplete save")
-    copy.refusing_lists = False                # back
+    copy.allow(down)                           # back
     assert (await Catalog(make_pool(tmp_path, stores=3)).get("/ckpt.pt")).chunks == v1.chunks
 
 
 async def test_a_cancelled_commit_is_voided_in_case_its_put_still_lands(tmp_path: Path) -> None:
     """A commit cancelled while its put is in flight (an unmount, a timeout) cannot know whether the
     copy lands: it takes it back and voids it, so the previous version stays current everywhere."""
-    class HoldPuts(RefuseManifests):
-        """While `refusing`, holds the puts of ok versions forever, keeping their bytes."""
-        held: dict[str, bytes] = {}
+    class KeepsPuts(FaultyStore):
+        """Keeps the bytes of every put, so the test can land a held one after all."""
+        kept: dict[str, bytes] = {}
 
         async def put(self, key: str, data) -> None:
-            if self.refusing and key.endswith(".ok.json"):
-                self.held[key] = bytes(data)
-                await trio.sleep_forever()
-            await self.inner.put(key, data)
+            self.kept[key] = bytes(data)
+            await super().put(key, data)
 
-    cat, wrappers = refusing_catalog(tmp_path, kind=HoldPuts)
+    cat, wrappers = refusing_catalog(tmp_path, kind=KeepsPuts)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
-    wrappers[1].refusing = True
+    wrappers[1].hold("put", "*.ok.json", until=trio.Event())          # forever
     with trio.move_on_after(0.5):
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
-    (key, data), = HoldPuts.held.items()
+    key = VersionRef.key_of(path_hash("/ckpt.pt"), 2, "ab", "ok")
+    data = KeepsPuts.kept[key]
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
     (tmp_path / "s1" / key).write_bytes(data)         # the held put lands after all: its twin voids it
     assert "00000000000000000002.ab.failed.json" in version_files(tmp_path, "s1", "/ckpt.pt")
@@ -374,17 +352,11 @@ async def test_files_are_listed_without_refetching_known_versions(tmp_path: Path
 async def test_a_file_removed_while_a_store_is_down_stays_removed_when_it_returns(tmp_path: Path) -> None:
     """write_quorum 1: rm while one store refuses writes; when that store is back (with the old version
     still on it), the file stays removed, because the removal is a newer version, not a deletion."""
-    wrappers: list[RefuseManifests] = []
-
-    def wrap(store):
-        wrappers.append(RefuseManifests(store))
-        return wrappers[-1]
-
-    cat = Catalog(make_pool(tmp_path, quorum=1, wrap=wrap))
+    cat, wrappers = refusing_catalog(tmp_path, quorum=1)
     await commit_bytes(cat, "/ckpt.pt", b"soon removed")
-    wrappers[1].refusing = True
+    wrappers[1].refuse("put", MANIFESTS)
     await cat.remove("/ckpt.pt")
-    wrappers[1].refusing = False
+    wrappers[1].allow()
     fresh = Catalog(make_pool(tmp_path, quorum=1))
     assert "/ckpt.pt" not in await fresh.load_all()
     with pytest.raises(NotFound):

@@ -15,12 +15,12 @@ import trio
 
 from cpfs import chunk as chunkfmt
 from cpfs.config import Config, parse_config
-from cpfs.errors import ChunkUnavailable, StoreError, StoreFull, StoreUnavailable
+from cpfs.errors import ChunkUnavailable, StoreDenied, StoreError, StoreFull, StoreUnavailable
 from cpfs.fs import boundary
 from cpfs.manifest import ChunkEntry
 from cpfs.placement import place
 from cpfs.pool import DOWN_AFTER, VERIFY_FULL_MAX, StorePool
-from cpfs.store import FaultyStore, Store, open_store
+from cpfs.store import DirectoryStore, FaultyStore, Store, open_store
 from cpfs.upload import Uploader
 
 TIMEOUT = 0.3          # seconds: short, so a hung store costs little; bounds below are 10x looser
@@ -34,6 +34,36 @@ def _config(tmp_path: Path, stores: int = 3, replicas: int = 2, timeout: float =
 
 def _folders(config: Config) -> list[Store]:
     return [open_store(s) for s in config.stores]
+
+
+async def test_fault_rules_refuse_or_hold_the_requests_they_pick_and_no_others(tmp_path: Path) -> None:
+    """The rules tests stage sequences with (a put taken, then its delete refused; a put held until the
+    test lets it land): each picks its operation and keys, the first match decides, `allow` ends it."""
+    store = FaultyStore(DirectoryStore("s0", tmp_path / "s0"))
+    await store.put("manifests/a", b"1")
+    no_deletes = store.refuse("delete", "manifests/*")
+    store.refuse("put", lambda key: key.endswith(".failed.json"), StoreFull)
+    with pytest.raises(StoreDenied, match="refused"):
+        await store.delete("manifests/a")
+    await store.delete("chunks/x")                         # another key: through
+    with pytest.raises(StoreFull):
+        await store.put("manifests/a.failed.json", b"2")
+    assert await store.get("manifests/a") == b"1"          # another operation: through
+    store.allow(no_deletes)
+    await store.delete("manifests/a")
+    release = trio.Event()
+    held = store.hold("put", "txns/*", release)
+    async with trio.open_nursery() as n:
+        n.start_soon(store.put, "txns/t.json", b"record")
+        await held.reached.wait()
+        assert store.statistics().held == 1 and not await store.inner.exists("txns/t.json")
+        release.set()
+    assert await store.get("txns/t.json") == b"record" and store.statistics().held == 0
+    assert (store.statistics().ruled, held.hits) == (2, 1)
+    store.allow()
+    await store.put("x.failed.json", b"3")
+    with pytest.raises(ValueError, match="no store operation"):
+        store.refuse("remove", "*")
 
 
 def _entry(enc: chunkfmt.EncodedChunk, held: list[str]) -> ChunkEntry:

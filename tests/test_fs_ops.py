@@ -23,7 +23,7 @@ from conftest import write_config
 from cpfs.cache import ChunkCache
 from cpfs.catalog import Catalog
 from cpfs.config import load_config
-from cpfs.errors import NotFound, StoreDenied, StoreError
+from cpfs.errors import NotFound, StoreError
 from cpfs.fs import CpfsOperations
 from cpfs.manifest import path_hash
 from cpfs.namespace import Namespace
@@ -31,7 +31,6 @@ from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.readahead import Scheduler
 from cpfs.store import FaultyStore, open_store
-from cpfs.store.base import StoreWrapper
 
 from test_catalog import commit_bytes
 
@@ -500,27 +499,6 @@ async def test_a_save_below_a_folder_being_renamed_lands_under_its_new_name(tmp_
         await ops.release(fh)
 
 
-class HeldDeletes(StoreWrapper):
-    """Refuses puts of ok versions unless `accepting`; holds deletes of manifests until `release`, then
-    refuses them (`deleting` says one is held)."""
-
-    def __init__(self, inner, accepting: bool, release: trio.Event) -> None:
-        super().__init__(inner)
-        self.accepting, self.release, self.deleting = accepting, release, False
-
-    async def put(self, key: str, data) -> None:
-        if not self.accepting and key.endswith(".ok.json"):
-            raise StoreDenied(self.name, f"refusing {key} (test)")
-        await self.inner.put(key, data)
-
-    async def delete(self, key: str) -> None:
-        if key.startswith("manifests/"):
-            self.deleting = True
-            await self.release.wait()
-            raise StoreDenied(self.name, f"refusing to delete {key} (test)")
-        await self.inner.delete(key)
-
-
 async def test_a_mount_that_listed_a_failed_commit_before_it_was_voided_goes_back(tmp_path: Path) -> None:
     """Another mount's commit of /f fails below quorum, and the store that took its manifest will not
     delete it. In the moment before its writer voids that copy (cpfs/catalog.py: its failed twin), this
@@ -532,7 +510,11 @@ async def test_a_mount_that_listed_a_failed_commit_before_it_was_voided_goes_bac
         config = load_config(str(tmp_path / "cpfs.toml"))
         first = place(path_hash("/f"), [s.name for s in config.stores], config.replicas)[0]
         release = trio.Event()
-        wrappers = [HeldDeletes(open_store(s), s.name == first, release) for s in config.stores]
+        wrappers = [FaultyStore(open_store(s)) for s in config.stores]
+        for w in wrappers:
+            if w.name != first:
+                w.refuse("put", "*.ok.json")                          # below quorum
+            w.hold("delete", "manifests/*", release, refuse=True)     # held, then refused
         writer = Catalog(StorePool(config, stores=wrappers), writer="bb")
 
         async def read(ino: int) -> bytes:
@@ -557,7 +539,7 @@ async def test_a_mount_that_listed_a_failed_commit_before_it_was_voided_goes_bac
                 with pytest.raises(StoreError):
                     await commit_bytes(writer, "/f", b"version 2, failed")
             n.start_soon(commit)
-            while not any(w.deleting for w in wrappers):
+            while not any(w.statistics().held for w in wrappers):
                 await trio.sleep(0.01)
             ino = await reopened(ino)
             assert await read(ino) == b"version 2, failed"     # listed before it was voided

@@ -117,37 +117,6 @@ async def _run_cli(*args: str, config: Path):
     return await trio.to_thread.run_sync(lambda: cpfs(*args, config=config, check=False))
 
 
-class Pause(StoreWrapper):
-    """Holds every call of `method` (on keys starting with `prefix`) until `release` is set;
-    `reached` is set when the first one arrives."""
-
-    def __init__(self, inner: Store, method: str, prefix: str, reached: trio.Event, release: trio.Event) -> None:
-        super().__init__(inner)
-        self._method, self._prefix = method, prefix
-        self.reached, self.release = reached, release
-
-    async def _hold(self, method: str, key: str) -> None:
-        if method == self._method and key.startswith(self._prefix):
-            self.reached.set()
-            await self.release.wait()
-
-    async def put(self, key: str, data: bytes | memoryview) -> None:
-        await self._hold("put", key)
-        await self.inner.put(key, data)
-
-    async def get(self, key: str) -> bytes:
-        await self._hold("get", key)
-        return await self.inner.get(key)
-
-    async def touch(self, key: str) -> None:
-        await self._hold("touch", key)
-        await self.inner.touch(key)
-
-    async def delete_if_older(self, key: str, before: float) -> bool:
-        await self._hold("delete_if_older", key)
-        return await self.inner.delete_if_older(key, before)
-
-
 class Checked(StoreWrapper):
     """Sets `event[0]` once a stat of a chunk (dedup's first look at a copy) has answered."""
 
@@ -164,8 +133,15 @@ class Checked(StoreWrapper):
 
 
 def _pausing(method: str, prefix: str) -> tuple[Callable[[Store], Store], trio.Event, trio.Event]:
+    """A wrap for each store that holds every call of `method` on keys starting with `prefix` until
+    `release` is set; `reached` is set when the first one arrives."""
     reached, release = trio.Event(), trio.Event()
-    return (lambda s: Pause(s, method, prefix, reached, release)), reached, release
+
+    def wrap(store: Store) -> Store:
+        faulty = FaultyStore(store)
+        faulty.hold(method, lambda key: key.startswith(prefix), release, reached=reached)
+        return faulty
+    return wrap, reached, release
 
 
 async def _start_until_paused(nursery: trio.Nursery, fn: Callable[[], Awaitable[T]],

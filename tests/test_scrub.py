@@ -23,7 +23,7 @@ from cpfs.pool import StorePool
 from cpfs.scrub import ScrubReport, Scrubber
 from cpfs.store import FaultyStore, open_store
 
-from test_catalog import commit_bytes, make_pool, refusing_catalog, version_files
+from test_catalog import MANIFESTS, commit_bytes, make_pool, refusing_catalog, version_files
 
 CHUNK = 256 * 1024
 FILES = ("/tree/a.bin", "/tree/b.bin", "/tree/sub/c.bin")
@@ -305,9 +305,9 @@ async def test_a_voided_copy_is_reported_and_repair_deletes_it(tmp_path: Path) -
     to repair), and --repair deletes it; the file stays at its last committed version throughout."""
     cat, wrappers = refusing_catalog(tmp_path, stores=3)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
-    for w in wrappers:
-        w.refusing = w.name != "s0"
-    wrappers[0].refusing_deletes = True
+    for w in wrappers[1:]:
+        w.refuse("put", MANIFESTS)
+    wrappers[0].refuse("delete", MANIFESTS)
     with pytest.raises(StoreError):
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
     pool = make_pool(tmp_path, stores=3)

@@ -15,37 +15,20 @@ import pytest
 import trio
 
 from cpfs.catalog import TXN_PREFIX, Catalog, VersionRef
-from cpfs.errors import NotFound, StoreDenied, StoreError
+from cpfs.errors import NotFound, StoreError
 from cpfs.gc import GarbageCollector
-from cpfs.store.base import StoreWrapper
+from cpfs.store.faulty import FaultyStore, Rule
 
 from test_catalog import commit_bytes, make_pool
 
 
-class HoldRecords(StoreWrapper):
-    """Holds (until `release` is set) or refuses the puts of transaction records; with `refuse_voids`,
-    of their void markers only; refuses the deletes of the keys `refuse_deletes` picks."""
+RECORDS, MARKERS = "txns/*", "txns/*.failed.json"      # transaction records, void markers (FaultyStore rules)
 
-    def __init__(self, inner) -> None:
-        super().__init__(inner)
-        self.refuse = self.refuse_voids = False
-        self.refuse_deletes: Callable[[str], bool] = lambda key: False
-        self.release: trio.Event | None = None
-        self.waiting = 0
 
-    async def delete(self, key: str) -> None:
-        if self.refuse_deletes(key):
-            raise StoreDenied(self.name, f"refusing to delete {key} (test)")
-        await self.inner.delete(key)
-
-    async def put(self, key: str, data) -> None:
-        if key.startswith(TXN_PREFIX):
-            if self.refuse or self.refuse_voids and key.endswith(".failed.json"):
-                raise StoreDenied(self.name, f"refusing {key} (test)")
-            if self.release is not None:
-                self.waiting += 1
-                await self.release.wait()
-        await self.inner.put(key, data)
+def faulty_catalog(tmp_path: Path, stores: int) -> tuple[Catalog, list[FaultyStore]]:
+    wrappers: list[FaultyStore] = []
+    return Catalog(make_pool(tmp_path, stores=stores, wrap=lambda s: wrappers.append(FaultyStore(s)) or wrappers[-1])), \
+        wrappers
 
 
 FILES = {"/run/step_1/model.pt": b"model bytes", "/run/step_1/optim.pt": b"optimizer bytes",
@@ -69,19 +52,18 @@ def txn_version_keys(tmp_path: Path) -> list[str]:
 
 
 async def test_other_catalogs_see_the_old_tree_until_the_record_then_the_new_one(tmp_path: Path) -> None:
-    wrappers: list[HoldRecords] = []
-    cat = Catalog(make_pool(tmp_path, stores=3, wrap=lambda s: wrappers.append(HoldRecords(s)) or wrappers[-1]))
+    cat, wrappers = faulty_catalog(tmp_path, stores=3)
     for path, data in FILES.items():
         await commit_bytes(cat, path, data)
     release = trio.Event()
     for w in wrappers:
-        w.release = release
+        w.hold("put", RECORDS, release)
     result: list = []
     async with trio.open_nursery() as n:
         async def run() -> None:
             result.extend(await moved(cat, "/run/step_1", "/run/final"))
         n.start_soon(run)
-        while not any(w.waiting for w in wrappers):
+        while not any(w.statistics().held for w in wrappers):
             await trio.sleep(0.01)
         # Every new version and tombstone is on the stores; without the record they count for nothing.
         assert len(txn_version_keys(tmp_path)) >= 2 * len(FILES)
@@ -98,12 +80,11 @@ async def test_other_catalogs_see_the_old_tree_until_the_record_then_the_new_one
 
 
 async def test_a_transaction_whose_record_fails_changes_nothing_and_leaves_nothing(tmp_path: Path) -> None:
-    wrappers: list[HoldRecords] = []
-    cat = Catalog(make_pool(tmp_path, stores=3, wrap=lambda s: wrappers.append(HoldRecords(s)) or wrappers[-1]))
+    cat, wrappers = faulty_catalog(tmp_path, stores=3)
     for path, data in FILES.items():
         await commit_bytes(cat, path, data)
     for w in wrappers:
-        w.refuse = True
+        w.refuse("put", RECORDS)
     with pytest.raises(StoreError):
         await moved(cat, "/run/step_1", "/run/final")
     assert await paths(tmp_path) == set(FILES)
@@ -115,27 +96,27 @@ async def test_a_transaction_whose_record_fails_changes_nothing_and_leaves_nothi
 
 
 async def record_on_s0_only(tmp_path: Path, voids: bool,
-                            refuse_deletes: Callable[[str], bool]) -> tuple[Catalog, list[HoldRecords]]:
+                            refuse_deletes: Callable[[str], bool]) -> tuple[Catalog, FaultyStore, Rule | None]:
     """FILES committed on 2 stores (each record goes to both), then a move of them whose record lands
     on s0 alone (s1 refuses it: below quorum) and which s0 refuses to take back, as it refuses every
-    delete `refuse_deletes` picks; with `voids`, s0 takes the void marker. The move must have failed."""
-    wrappers: list[HoldRecords] = []
-    cat = Catalog(make_pool(tmp_path, wrap=lambda s: wrappers.append(HoldRecords(s)) or wrappers[-1]))
+    delete `refuse_deletes` picks; with `voids`, s0 takes the void marker, else its rule refusing the
+    marker is returned with s0. The move must have failed."""
+    cat, (s0, s1) = faulty_catalog(tmp_path, stores=2)
     for path, data in FILES.items():
         await commit_bytes(cat, path, data)
-    wrappers[1].refuse = True
-    wrappers[0].refuse_deletes = refuse_deletes
-    wrappers[0].refuse_voids = not voids
+    s1.refuse("put", RECORDS)
+    s0.refuse("delete", refuse_deletes)
+    markers = None if voids else s0.refuse("put", MARKERS)
     with pytest.raises(StoreError):
         await moved(cat, "/run/step_1", "/run/final")
     assert len([p for p in tmp_path.glob("s0/txns/*.json") if ".failed" not in p.name]) == 1   # the record stayed
-    return cat, wrappers
+    return cat, s0, markers
 
 
 async def test_a_failed_transaction_whose_record_cannot_be_taken_back_is_voided(tmp_path: Path) -> None:
     """The record landed on one store, which then refuses to delete it: the void marker makes every
     mount see the old tree; gc deletes the versions left behind, then the record and its marker."""
-    cat, _ = await record_on_s0_only(tmp_path, voids=True, refuse_deletes=lambda key: True)
+    cat, _, _ = await record_on_s0_only(tmp_path, voids=True, refuse_deletes=lambda key: True)
     assert len(list(tmp_path.glob("s0/txns/*.failed.json"))) == 1
     assert cat.statistics().voided == 1
     assert await paths(tmp_path, stores=2) == set(FILES)
@@ -162,11 +143,11 @@ async def test_a_failed_transaction_that_cannot_be_voided_counts_whole_or_not_at
     mount sees every path of the move new, never a mix (and the writer logged an error). Here s0 also
     refuses to delete the tombstones: taking back the rest would lose every file of the move. The
     writer's next commit tries the marker again: then every path is old again."""
-    cat, wrappers = await record_on_s0_only(
+    cat, s0, markers = await record_on_s0_only(
         tmp_path, voids=False, refuse_deletes=lambda key: key.startswith(TXN_PREFIX) or ".deleted." in key)
     assert list(tmp_path.glob("s*/txns/*.failed.json")) == []
     assert await paths(tmp_path, stores=2) == {p.replace("/run/step_1", "/run/final") for p in FILES}
-    wrappers[0].refuse_voids = False
+    s0.allow(markers)
     await commit_bytes(cat, "/elsewhere.pt", b"another file")
     assert len(list(tmp_path.glob("s0/txns/*.failed.json"))) == 1
     assert await paths(tmp_path, stores=2) == set(FILES) | {"/elsewhere.pt"}
@@ -176,17 +157,16 @@ async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path
     """The stores as a kill -9 between the versions and the record leaves them (a copy taken while the
     record's put is held): the old tree, and commits to those paths go on; the dead transaction's
     versions are never current and never retired by others; gc deletes them once past its grace."""
-    wrappers: list[HoldRecords] = []
-    cat = Catalog(make_pool(tmp_path, stores=3, wrap=lambda s: wrappers.append(HoldRecords(s)) or wrappers[-1]))
+    cat, wrappers = faulty_catalog(tmp_path, stores=3)
     for path, data in FILES.items():
         await commit_bytes(cat, path, data)
     release = trio.Event()
     for w in wrappers:
-        w.release = release
+        w.hold("put", RECORDS, release)
     crashed = tmp_path / "crashed"
     async with trio.open_nursery() as n:
         n.start_soon(moved, cat, "/run/step_1", "/run/final")
-        while not any(w.waiting for w in wrappers):
+        while not any(w.statistics().held for w in wrappers):
             await trio.sleep(0.01)
         crashed.mkdir()
         for store in ("s0", "s1", "s2"):

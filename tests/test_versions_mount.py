@@ -23,9 +23,9 @@ from cpfs.errors import StoreError
 from cpfs.manifest import path_hash
 from cpfs.placement import place
 from cpfs.pool import StorePool
-from cpfs.store import open_store
+from cpfs.store import FaultyStore, open_store
 from cpfs.voidjournal import VoidJournal
-from test_catalog import RefuseManifests, commit_bytes
+from test_catalog import MANIFESTS, TWINS, commit_bytes
 from tests.conftest import cpfs
 
 pytestmark = pytest.mark.mount
@@ -147,10 +147,12 @@ async def _fail_a_commit_beyond_voiding(cfg: Path) -> None:
     refuse to delete its copy and to take its twin; the writer is gone when this returns."""
     config = load_config(str(cfg))
     first, second = place(path_hash("/run/ckpt.pt"), [s.name for s in config.stores], config.replicas)
-    wrappers = [RefuseManifests(open_store(s)) for s in config.stores]
-    for w in wrappers:
-        w.refusing, w.refusing_deletes, w.refusing_twins = w.name == second, w.name == first, True
-    catalog = Catalog(StorePool(config, stores=wrappers), writer="ab", journal=VoidJournal.for_config(config))
+    wrappers = {s.name: FaultyStore(open_store(s)) for s in config.stores}
+    wrappers[second].refuse("put", MANIFESTS)
+    wrappers[first].refuse("delete", MANIFESTS)
+    for w in wrappers.values():
+        w.refuse("put", TWINS)
+    catalog = Catalog(StorePool(config, stores=list(wrappers.values())), writer="ab", journal=VoidJournal.for_config(config))
     with pytest.raises(StoreError):
         await commit_bytes(catalog, "/run/ckpt.pt", b"version 2, failed")
     assert catalog.statistics().unvoided == 1

@@ -26,7 +26,7 @@ from cpfs.errors import NotFound, StoreError, StoreFull
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
-from cpfs.store import StoreWrapper, open_store
+from cpfs.store import FaultyStore, open_store
 from cpfs.tensor_index import TensorIndex, build_index
 from cpfs.writer import StagingError, WriteSession
 
@@ -330,18 +330,6 @@ async def test_a_file_that_is_no_checkpoint_leaves_staging_as_it_is_stored(env: 
     assert stats.chunks_dropped >= 10 and stats.dropped_fetched == 2
 
 
-class GatedStore(StoreWrapper):
-    """A store whose puts wait at a gate: the test decides when a batch of uploads ends."""
-
-    def __init__(self, inner, gate: trio.Event) -> None:
-        super().__init__(inner)
-        self.gate = gate
-
-    async def put(self, key: str, data: bytes | memoryview) -> None:
-        await self.gate.wait()
-        await self.inner.put(key, data)
-
-
 async def test_uploads_that_end_while_write_behind_is_busy_are_not_missed(tmp_path: Path) -> None:
     """Uploads released together end while write-behind drops the first ones from staging; each end
     must still reach it. It once slept through them until the next write (or flush), so the staging
@@ -349,7 +337,10 @@ async def test_uploads_that_end_while_write_behind_is_busy_are_not_missed(tmp_pa
     config = load_config(write_config(tmp_path / "cpfs"))
     for round_ in range(5):
         gate = trio.Event()
-        pool = StorePool(config, [GatedStore(open_store(s), gate) for s in config.stores])
+        stores = [FaultyStore(open_store(s)) for s in config.stores]
+        for store in stores:
+            store.hold("put", "*", gate)             # the test decides when a batch of uploads ends
+        pool = StorePool(config, stores)
         await pool.check()
         env = Env(config, pool, Catalog(pool), tmp_path / "cpfs" / "staging", tmp_path / "cpfs" / "stores")
         data = os.urandom(12 * MiB)
@@ -392,33 +383,22 @@ async def test_rewrite_after_upload_is_reencoded_at_flush(env: Env) -> None:
 
 # ---------------------------------------------------------------- failures
 
-class FillingStore(StoreWrapper):
-    """A store that refuses every put with StoreFull once `full` is set (a disk filling up)."""
-
-    full = False
-
-    async def put(self, key: str, data: bytes | memoryview) -> None:
-        if self.full:
-            raise StoreFull(self.name, f"no space left writing {key!r}")
-        await self.inner.put(key, data)
-
-
 async def test_store_full_fails_flush_and_keeps_the_committed_version(tmp_path: Path) -> None:
     config = load_config(write_config(tmp_path / "cpfs"))
-    stores = [FillingStore(open_store(s)) for s in config.stores]
+    stores = [FaultyStore(open_store(s)) for s in config.stores]
     pool = StorePool(config, stores)
     await pool.check()
     env = Env(config, pool, Catalog(pool), tmp_path / "cpfs" / "staging", tmp_path / "cpfs" / "stores")
     v1 = await commit_bytes(env, "/ckpt.pt", os.urandom(2 * MiB))
     async with open_session(env, "/ckpt.pt") as s:
         for store in stores:
-            store.full = True
+            store.refuse("put", "*", StoreFull)        # a disk filling up
         await s.write(0, os.urandom(3 * MiB))
         with pytest.raises(StoreFull) as failure:
             await s.flush()
         assert failure.value.errno == errno.ENOSPC
     for store in stores:
-        store.full = False
+        store.allow()
     assert (await env.catalog.get("/ckpt.pt")).version == v1.version
 
 
