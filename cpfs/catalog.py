@@ -11,8 +11,9 @@ Invariants, and why:
   writer (its twin) to every store that takes it, and never uses that version again. A twin voids its
   ok or deleted key wherever they are listed, so the writer, told that its commit failed, is right
   on every mount. Only if no store takes the twin either can the copy count (logged as an error);
-  the writer's next commit, of any path, tries the twin again, and so does the next mount of the same
-  stores on that host if the writer is gone by then (cpfs/voidjournal.py keeps the twin on local disk).
+  the writer's next commit, of any path, tries the twin again, and a mount every VOID_RETRY seconds;
+  cpfs/voidjournal.py keeps the twin on local disk, so that the next mount or commit of the same stores
+  on that host tries it if the writer is gone by then.
 - The current version of a path is its highest (version, writer) whose state is not "failed" and that
   no twin voids; if that one is "deleted", the path does not exist. Key names alone decide it, so a
   refresh lists and then reads only the summaries it has not seen (keys are immutable: summaries are
@@ -78,6 +79,7 @@ _TXN_KEY = re.compile(r"txns/([0-9a-f]{16})(\.failed)?\.json")
 _LEGACY = re.compile(r"manifests/([0-9a-f]{40})\.json")
 _FETCHES = 32                             # summaries read at once by a full listing
 _KEEP_PARSED = 256                        # full manifests kept parsed (the namespace keeps its own)
+VOID_RETRY = 10.0                         # seconds between a mount's tries of the keys no store took
 
 
 @dataclass(frozen=True)
@@ -640,6 +642,21 @@ class Catalog:
         for key, data in list(self._unvoided.items()):
             if key in self._unvoided:
                 await self._void(key, data, retry=True)
+
+    async def keep_voiding(self, interval: float = VOID_RETRY,
+                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled (with the mount): every `interval` s, the journal's keys (other processes on
+        this host add theirs: a `cpfs put` that failed and exited) and those still pending, put again.
+        Else a writer that commits nothing more left a failed commit counting until a restart."""
+        task_status.started()
+        while True:
+            await trio.sleep(interval)
+            try:
+                for key, data in (await self._journal.read()).items():
+                    self._unvoided.setdefault(key, data)
+                await self.retry_voids()
+            except Exception:                 # a bug here must not end the mount; the next round tries again
+                log.exception("trying again to void failed commits")
 
     async def _retire(self, refs: list[VersionRef], where: Listing, committed: Container[str]) -> None:
         """Delete versions beyond keep_versions (see the module doc), and copies their twin voids. Best

@@ -223,6 +223,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
 
             await metrics.start(n, config, ops.statistics_document)   # [metrics] listen (off by default): Prometheus
             await n.start(pool.run)          # store health: probes stores marked down until they answer
+            await n.start(catalog.keep_voiding)   # failed commits no store let us void yet (cpfs/catalog.py)
             if pusher is not None:
                 await n.start(pusher.run)
             n.start_soon(announce)

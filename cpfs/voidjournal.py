@@ -6,8 +6,9 @@ either, the copy counts on every mount until one does, and the writer tries agai
 commit. Kept only in memory, that duty died with the writer: after a crash or an unmount, the save
 that its writer had been told failed stayed current for good. So each such key is also a file here,
 written before the commit reports its failure and removed once a store took the key. A catalog over
-the same stores, in any later process, starts with them pending (`pending`), and the daemon tries
-them before its first listing.
+the same stores, in any later process, starts with them pending (`pending`); the daemon tries them
+before its first listing, and then every so often, with those other processes on the host left
+(`Catalog.keep_voiding`).
 
 One folder per store set (`for_config`: the stores' names and where they are), under the staging
 folder, which is local and outside every store (cpfs/daemon.py checks it). Several processes may
@@ -62,6 +63,12 @@ class VoidJournal:
             except (OSError, ValueError) as e:
                 log.error("%s: cannot read a pending void (%s); a failed commit it names may count", f, e)
         return out
+
+    async def read(self) -> dict[str, bytes]:
+        """`pending`, from a worker thread (while a mount runs: other processes on this host add keys)."""
+        if self.folder is None:
+            return {}
+        return await trio.to_thread.run_sync(self.pending, limiter=_limiter)
 
     async def add(self, key: str, data: bytes) -> None:
         """Keep `key` and its bytes durably (fsynced, renamed into place). A failure is logged: the key

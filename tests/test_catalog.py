@@ -173,6 +173,36 @@ async def test_a_twin_no_store_took_outlives_its_writer(tmp_path: Path) -> None:
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
 
 
+async def test_a_mount_voids_what_no_store_took_without_waiting_for_a_commit(tmp_path: Path) -> None:
+    """A writer that commits nothing more (a mount only read from now on) used to leave the copy counting
+    until its next commit. `keep_voiding` tries its pending twins every few seconds, and the ones other
+    processes on the host left in the journal (a `cpfs put` that failed and exited)."""
+    cat, wrappers = refusing_catalog(tmp_path)
+    mount = Catalog(cat.pool, writer="ab", journal=VoidJournal(tmp_path / "journal"))
+    v1 = await commit_bytes(mount, "/ckpt.pt", b"good checkpoint")
+    await commit_bytes(mount, "/other.pt", b"good checkpoint")
+    wrappers[1].refuse("put", MANIFESTS)
+    wrappers[0].refuse("delete", MANIFESTS)
+    wrappers[0].refuse("put", TWINS)
+    with pytest.raises(StoreError):
+        await commit_bytes(mount, "/ckpt.pt", b"new bytes")
+    cli = Catalog(cat.pool, writer="cd", journal=VoidJournal(tmp_path / "journal"))   # another process
+    with pytest.raises(StoreError):
+        await commit_bytes(cli, "/other.pt", b"new bytes")
+    del cli
+    for w in wrappers:
+        w.allow()
+    async with trio.open_nursery() as n:
+        await n.start(mount.keep_voiding, 0.05)
+        with trio.fail_after(10):
+            while mount.statistics().unvoided or VoidJournal(tmp_path / "journal").pending():
+                await trio.sleep(0.05)
+        n.cancel_scope.cancel()
+    assert mount.statistics().voided == 2
+    fresh = Catalog(make_pool(tmp_path))
+    assert (await fresh.get("/ckpt.pt")).chunks == v1.chunks and (await fresh.get("/other.pt")).version == 1
+
+
 async def test_a_journal_file_that_cannot_be_read_is_kept_and_said(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A damaged journal file is the only record of its duty: it is logged and left, never removed."""
