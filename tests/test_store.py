@@ -86,8 +86,8 @@ async def test_contract_get_many_with(store: Store) -> None:
 
 
 async def test_contract_get_range(store: Store) -> None:
-    """get_range returns exactly the asked bytes, short at the end, empty past it; get_range_with hands
-    them to a function in a worker thread."""
+    """get_range returns exactly the asked bytes, short at the end, empty past it; get_range_with and
+    get_with hand them to a function in a worker thread."""
     data = os.urandom(100_000)
     await store.put("k/r", data)
     assert await store.get_range("k/r", 0, 32) == data[:32]
@@ -113,6 +113,15 @@ async def test_contract_get_range(store: Store) -> None:
         await store.get_range_with("k/r", 0, 32, refuse, limiter)
     with pytest.raises(NoSuchObject):
         await store.get_range_with("k/missing", 0, 32, fn, limiter)
+    assert await store.get_range_with("k/r", 5, 0, fn, limiter) == b""
+
+    # get_with: the same for the whole object (what a chunk read does: decode and check it).
+    assert await store.get_with("k/r", fn, limiter) == data and len(seen) == 4
+    assert threading.get_ident() not in seen
+    with pytest.raises(ValueError, match="100000"):
+        await store.get_with("k/r", refuse, limiter)
+    with pytest.raises(NoSuchObject):
+        await store.get_with("k/missing", fn, limiter)
 
 
 async def test_contract_list_is_sorted_and_paged(store: Store) -> None:

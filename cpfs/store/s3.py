@@ -12,7 +12,8 @@ the profile, container or instance metadata unless AWS_EC2_METADATA_DISABLED): n
 config, and nothing secret is logged (an endpoint with user:password@ is refused).
 
 Client: boto3, its blocking calls in trio worker threads under one CapacityLimiter per store, with a
-connection pool of the same size (`concurrency`). Measured against obstore on a loopback server
+connection pool of the same size (`concurrency`); a chunk's check runs in the thread of its GET
+(`get_with`), not in a second one. Measured against obstore on a loopback server
 (benchmarks/bench_s3_client.py): boto3 read faster and with less CPU per GiB once obstore's buffers are
 copied into the `bytes` this interface returns, and it brings the whole credential chain itself.
 
@@ -194,17 +195,20 @@ class S3Store(Store):
                           self.concurrency)
             return self._client
 
-    async def _run(self, what: str, fn: Callable[[Any], T]) -> T:
+    async def _run(self, what: str, fn: Callable[[Any], Any], then: Callable[[Any], T] | None = None) -> T:
         """fn(client) in a worker thread, its errors classified; `what` names the request in messages.
+        `then`, if given, runs on fn's result in the same thread, and what it raises comes out as it
+        is: a chunk's decode and check right after its GET, one hand-off per object instead of two.
         Abandoned (not waited for) if the caller is cancelled."""
         def call() -> T:
-            return fn(self._client_sync())
-        try:
-            return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
-        except StoreError:
-            raise
-        except Exception as e:      # botocore's, and socket errors it lets through
-            raise self._error(e, what) from None
+            try:
+                got = fn(self._client_sync())
+            except StoreError:
+                raise
+            except Exception as e:      # botocore's, and socket errors it lets through
+                raise self._error(e, what) from None
+            return got if then is None else then(got)
+        return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
 
     def _error(self, e: Exception, what: str) -> StoreError:
         from botocore import exceptions as bx
@@ -249,16 +253,37 @@ class S3Store(Store):
     # ------------------------------------------------------------------ the Store interface
 
     async def get(self, key: str) -> bytes:
-        full = self._key(key)
-        return await self._run(repr(key), lambda c: c.get_object(Bucket=self.bucket, Key=full)["Body"].read())
+        return await self._run(repr(key), self._whole(key))
+
+    async def get_with(self, key: str, fn: Callable[[bytes | memoryview], T], limiter: trio.CapacityLimiter) -> T:
+        """The GET and fn in one worker thread, under this store's limiter (`limiter` is not taken: fn is
+        a short check after a read that held the connection far longer)."""
+        return await self._run(repr(key), self._whole(key), fn)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
-        full = self._key(key)
-        if start < 0 or length < 0:
-            raise StoreError(self.name, f"invalid range {start}+{length} of {key!r}")
+        request = self._ranged(key, start, length)
         if length == 0:
             await self.head(key)            # still NoSuchObject if absent
             return b""
+        return await self._run(f"{key!r} [{start}+{length}]", request)
+
+    async def get_range_with(self, key: str, start: int, length: int, fn: Callable[[bytes | memoryview], T],
+                             limiter: trio.CapacityLimiter) -> T:
+        """As `get_with`, for a range (a zero-length one the interface's way)."""
+        request = self._ranged(key, start, length)
+        if length == 0:
+            return await super().get_range_with(key, start, length, fn, limiter)
+        return await self._run(f"{key!r} [{start}+{length}]", request, fn)
+
+    def _whole(self, key: str) -> Callable[[Any], bytes]:
+        full = self._key(key)
+        return lambda c: c.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+
+    def _ranged(self, key: str, start: int, length: int) -> Callable[[Any], bytes]:
+        """The ranged GET of bytes [start, start+length), once the range is checked."""
+        full = self._key(key)
+        if start < 0 or length < 0:
+            raise StoreError(self.name, f"invalid range {start}+{length} of {key!r}")
 
         def ranged(c: Any) -> bytes:
             from botocore.exceptions import ClientError
@@ -271,7 +296,7 @@ class S3Store(Store):
             data = resp["Body"].read()
             # A server that ignores Range answers 200 with the whole object.
             return data[start:start + length] if "ContentRange" not in resp else data
-        return await self._run(f"{key!r} [{start}+{length}]", ranged)
+        return ranged
 
     async def head(self, key: str) -> int:
         full = self._key(key)
