@@ -28,7 +28,6 @@ from .config import Config, staging_dir
 
 log = logging.getLogger(__name__)
 SUFFIX = ".void"
-_limiter = trio.CapacityLimiter(1)        # a few small files, seldom: one at a time
 
 
 class VoidJournal:
@@ -37,6 +36,8 @@ class VoidJournal:
     def __init__(self, folder: Path | None, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
         self.folder = folder
         self._file_mode, self._dir_mode = file_mode, dir_mode
+        self._limiter = trio.CapacityLimiter(1)     # a few small files, seldom: one at a time
+        self._reported: set[Path] = set()           # unreadable files already logged (a mount reads every 10 s)
 
     @classmethod
     def for_config(cls, config: Config) -> "VoidJournal":
@@ -61,21 +62,23 @@ class VoidJournal:
                     raise ValueError("not a key and its bytes")
                 out[key.decode()] = data
             except (OSError, ValueError) as e:
-                log.error("%s: cannot read a pending void (%s); a failed commit it names may count", f, e)
+                if f not in self._reported:
+                    self._reported.add(f)
+                    log.error("%s: cannot read a pending void (%s); a failed commit it names may count", f, e)
         return out
 
     async def read(self) -> dict[str, bytes]:
         """`pending`, from a worker thread (while a mount runs: other processes on this host add keys)."""
         if self.folder is None:
             return {}
-        return await trio.to_thread.run_sync(self.pending, limiter=_limiter)
+        return await trio.to_thread.run_sync(self.pending, limiter=self._limiter)
 
     async def add(self, key: str, data: bytes) -> None:
         """Keep `key` and its bytes durably (fsynced, renamed into place). A failure is logged: the key
         then stays pending in this process only."""
         if self.folder is not None:
             try:
-                await trio.to_thread.run_sync(self._write, key, data, limiter=_limiter)
+                await trio.to_thread.run_sync(self._write, key, data, limiter=self._limiter)
             except OSError as e:
                 log.error("could not keep %s pending in %s (%s): a restart before a store takes it "
                           "forgets it", key, self.folder, e)
@@ -84,7 +87,7 @@ class VoidJournal:
         """A store took `key`: forget it (another process may have already)."""
         if self.folder is not None:
             try:
-                await trio.to_thread.run_sync(self._file(key).unlink, True, limiter=_limiter)
+                await trio.to_thread.run_sync(self._file(key).unlink, True, limiter=self._limiter)
             except OSError as e:
                 log.warning("could not remove the pending void of %s: %s (harmless: it is put again)", key, e)
 
