@@ -65,8 +65,8 @@ async def test_versions_count_up_and_history_keeps_the_newest(tmp_path: Path) ->
     assert len(version_files(tmp_path, "s0", "/run/a.pt")) == 3
 
 
-def refusing_catalog(tmp_path: Path, stores: int = 2, kind=FaultyStore, keep: int = 3,
-                     quorum: int | None = None) -> tuple[Catalog, list]:
+def faulty_catalog(tmp_path: Path, stores: int = 2, kind=FaultyStore, keep: int = 3,
+                   quorum: int | None = None) -> tuple[Catalog, list]:
     """A catalog (writer "ab") whose folder stores are each in a `kind` of FaultyStore (the wrappers, in
     store order), whose rules the test sets: `refuse("put", MANIFESTS)` (a full or read-only store),
     `refuse("delete", MANIFESTS)`, `refuse("put", TWINS)`, `refuse("list", MANIFESTS)` (a store that
@@ -83,7 +83,7 @@ def refusing_catalog(tmp_path: Path, stores: int = 2, kind=FaultyStore, keep: in
 async def test_a_failed_manifest_commit_keeps_the_previous_version_on_every_store(tmp_path: Path) -> None:
     """Below write_quorum nothing of the new version stays, and nothing of the old one is lost: the
     old design overwrote one key per path, so the copies that landed had already replaced it."""
-    cat, wrappers = refusing_catalog(tmp_path)
+    cat, wrappers = faulty_catalog(tmp_path)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
     before = {s: version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1")}
     wrappers[1].refuse("put", MANIFESTS)      # s0 takes the new manifest, s1 refuses: below quorum
@@ -103,7 +103,7 @@ async def test_a_failed_commit_whose_copy_cannot_be_taken_back_is_voided_by_its_
     the fault stress's injected errors found it). The writer was told the commit failed, so no reader
     may count that copy: a failed twin of the same version voids it, in a fresh catalog's current
     version, listing and history alike; the next commit deletes the copy, and only then its twin."""
-    cat, wrappers = refusing_catalog(tmp_path, stores=3)
+    cat, wrappers = faulty_catalog(tmp_path, stores=3)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
     for w in wrappers[1:]:
         w.refuse("put", MANIFESTS)     # s0 takes the new manifest, the others refuse: below quorum
@@ -131,7 +131,7 @@ async def test_a_failed_commit_that_no_store_lets_us_void_says_so_and_is_voided_
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """If the twin cannot be written anywhere either, the copy counts for now: the writer logs an error
     naming the path, the version and the store, and its next commit (of any path) tries the twin again."""
-    cat, wrappers = refusing_catalog(tmp_path)
+    cat, wrappers = faulty_catalog(tmp_path)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
     wrappers[1].refuse("put", MANIFESTS)
     wrappers[0].refuse("delete", MANIFESTS)
@@ -154,7 +154,7 @@ async def test_a_twin_no_store_took_outlives_its_writer(tmp_path: Path) -> None:
     takes the twin. Kept only in its memory, that duty died with it and the failed save stayed current
     for good; its journal on local disk hands it to the next catalog over the same stores."""
     journal = VoidJournal(tmp_path / "journal")
-    cat, wrappers = refusing_catalog(tmp_path)
+    cat, wrappers = faulty_catalog(tmp_path)
     cat = Catalog(cat.pool, writer="ab", journal=journal)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
     wrappers[1].refuse("put", MANIFESTS)
@@ -177,7 +177,7 @@ async def test_a_mount_voids_what_no_store_took_without_waiting_for_a_commit(tmp
     """A writer that commits nothing more (a mount only read from now on) used to leave the copy counting
     until its next commit. `keep_voiding` tries its pending twins every few seconds, and the ones other
     processes on the host left in the journal (a `cpfs put` that failed and exited)."""
-    cat, wrappers = refusing_catalog(tmp_path)
+    cat, wrappers = faulty_catalog(tmp_path)
     mount = Catalog(cat.pool, writer="ab", journal=VoidJournal(tmp_path / "journal"))
     v1 = await commit_bytes(mount, "/ckpt.pt", b"good checkpoint")
     await commit_bytes(mount, "/other.pt", b"good checkpoint")
@@ -221,7 +221,7 @@ async def test_a_twin_is_not_retired_while_a_store_that_may_hold_its_copy_cannot
     """The store that kept the copy refused the twin too, so the twin is on another store only. Then
     the copy's store is down while failed saves push the twin past keep_versions: retiring it then
     would let the copy count again once that store is back (a failed save, current)."""
-    cat, wrappers = refusing_catalog(tmp_path, stores=3, keep=1)
+    cat, wrappers = faulty_catalog(tmp_path, stores=3, keep=1)
     by_name = {w.name: w for w in wrappers}
     copy, other = (by_name[n] for n in place(path_hash("/ckpt.pt"), list(by_name), 2))
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
@@ -250,7 +250,7 @@ async def test_a_cancelled_commit_is_voided_in_case_its_put_still_lands(tmp_path
             self.kept[key] = bytes(data)
             await super().put(key, data)
 
-    cat, wrappers = refusing_catalog(tmp_path, kind=KeepsPuts)
+    cat, wrappers = faulty_catalog(tmp_path, kind=KeepsPuts)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
     wrappers[1].hold("put", "*.ok.json", until=trio.Event())          # forever
     with trio.move_on_after(0.5):
@@ -383,7 +383,7 @@ async def test_files_are_listed_without_refetching_known_versions(tmp_path: Path
 async def test_a_file_removed_while_a_store_is_down_stays_removed_when_it_returns(tmp_path: Path) -> None:
     """write_quorum 1: rm while one store refuses writes; when that store is back (with the old version
     still on it), the file stays removed, because the removal is a newer version, not a deletion."""
-    cat, wrappers = refusing_catalog(tmp_path, quorum=1)
+    cat, wrappers = faulty_catalog(tmp_path, quorum=1)
     await commit_bytes(cat, "/ckpt.pt", b"soon removed")
     wrappers[1].refuse("put", MANIFESTS)
     await cat.remove("/ckpt.pt")

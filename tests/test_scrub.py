@@ -23,7 +23,7 @@ from cpfs.pool import StorePool
 from cpfs.scrub import ScrubReport, Scrubber
 from cpfs.store import FaultyStore, open_store
 
-from test_catalog import MANIFESTS, commit_bytes, make_pool, refusing_catalog, version_files
+from test_catalog import MANIFESTS, commit_bytes, faulty_catalog, make_pool, version_files
 
 CHUNK = 256 * 1024
 FILES = ("/tree/a.bin", "/tree/b.bin", "/tree/sub/c.bin")
@@ -303,7 +303,7 @@ async def test_readers_find_copies_on_the_current_placement(tmp_path: Path) -> N
 async def test_a_voided_copy_is_reported_and_repair_deletes_it(tmp_path: Path) -> None:
     """A failed commit whose copy s0 would not take back: scrub names it as voided (not as a version
     to repair), and --repair deletes it; the file stays at its last committed version throughout."""
-    cat, wrappers = refusing_catalog(tmp_path, stores=3)
+    cat, wrappers = faulty_catalog(tmp_path, stores=3)
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
     for w in wrappers[1:]:
         w.refuse("put", MANIFESTS)

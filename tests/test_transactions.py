@@ -19,16 +19,10 @@ from cpfs.errors import NotFound, StoreError
 from cpfs.gc import GarbageCollector
 from cpfs.store.faulty import FaultyStore, Rule
 
-from test_catalog import commit_bytes, make_pool
+from test_catalog import commit_bytes, faulty_catalog, make_pool
 
 
 RECORDS, MARKERS = "txns/*", "txns/*.failed.json"      # transaction records, void markers (FaultyStore rules)
-
-
-def faulty_catalog(tmp_path: Path, stores: int) -> tuple[Catalog, list[FaultyStore]]:
-    wrappers: list[FaultyStore] = []
-    return Catalog(make_pool(tmp_path, stores=stores, wrap=lambda s: wrappers.append(FaultyStore(s)) or wrappers[-1])), \
-        wrappers
 
 
 FILES = {"/run/step_1/model.pt": b"model bytes", "/run/step_1/optim.pt": b"optimizer bytes",
