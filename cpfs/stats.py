@@ -105,4 +105,10 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                  f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")
     m = now["mount"]
     lines.append(f"mount: {m['files']} files, {m['open_handles']} open handles, {m['writing']} being written")
+    if cat := now.get("catalog"):
+        lines.append(f"commits: {cat['commits']} ({cat['failed_commits']} failed, {cat['voided']} of them voided "
+                     f"where a copy stayed), {cat['transactions']} transactions")
+        if cat.get("unvoided"):
+            lines.append(f"WARNING: {cat['unvoided']} failed commits may count as current: no store took the key "
+                         f"that voids them yet (tried again every 10 s; the mount's log names them)")
     return "\n".join(lines)

@@ -75,6 +75,12 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     assert ("declared prefetch /m.pt (layers.1.*): 3 tensors, 4.0 of 8.0 MiB fetched, 0 chunks failed, "
             "running (0.5 s)") in render(now, before)
     assert "batches" not in render(now, before) and "pages the kernel lost" not in render(now, before)
+    assert "commits:" not in render(now)
+    now["catalog"] = {"commits": 5, "failed_commits": 2, "voided": 1, "unvoided": 0, "transactions": 1}
+    assert "commits: 5 (2 failed, 1 of them voided where a copy stayed), 1 transactions" in render(now)
+    assert "WARNING" not in render(now)
+    now["catalog"]["unvoided"] = 1                       # a failed save that may count: said loudly
+    assert "WARNING: 1 failed commits may count as current" in render(now)
     now["scheduler"].update(block_fetches=3, block_bytes=MiB, refilled=2, refill_queued=1)
     assert ("pages the kernel lost: 3 reads served from 1.0 MiB of their blocks; 2 of their chunks loaded into "
             "the cache since, 1 waiting for the mount to be idle") in render(now)
