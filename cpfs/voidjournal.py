@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import trio
 
 from .config import Config, staging_dir
+from .store.directory import write_durably
 
 log = logging.getLogger(__name__)
 SUFFIX = ".void"
@@ -74,7 +74,7 @@ class VoidJournal:
         return await trio.to_thread.run_sync(self.pending, limiter=self._limiter)
 
     async def add(self, key: str, data: bytes) -> None:
-        """Keep `key` and its bytes durably (fsynced, renamed into place). A failure is logged: the key
+        """Keep `key` and its bytes durably (as the folder store writes a file). A failure is logged: the key
         then stays pending in this process only."""
         if self.folder is not None:
             try:
@@ -94,15 +94,4 @@ class VoidJournal:
     def _write(self, key: str, data: bytes) -> None:
         assert self.folder is not None
         self.folder.mkdir(mode=self._dir_mode, parents=True, exist_ok=True)
-        final = self._file(key)
-        tmp = final.with_suffix(f".{os.getpid()}.new")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, self._file_mode), "wb") as f:
-            f.write(key.encode() + b"\n" + data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, final)
-        dfd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_durably(self._file(key), key.encode() + b"\n" + data, self._file_mode)
