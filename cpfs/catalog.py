@@ -302,7 +302,7 @@ class Catalog:
             self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
         self._note_voids(h, refs)
         committed = set()
-        for txn in {r.txn for r in refs if r.txn}:
+        for txn in {r.txn for r in refs if r.txn} - self._txns_voided:     # voided for good: not listed again
             if txn in self._txns or await self._committed(txn):
                 committed.add(txn)
         return refs, where, committed
