@@ -19,14 +19,18 @@ completes while the kernel's read of the same pages may already be on its way to
 older than RACE counts (a drop between two loads is seconds old).
 
 Pushes are submitted, not awaited: `push` queues a piece and calls back when the kernel has it (the
-daemon's Pusher sends queued pieces from worker threads, many per thread call). A task and an event
+Pusher below sends queued pieces from worker threads, many per thread call). A task and an event
 per piece cost a load of 0.5-2 MiB tensors more of the daemon's CPU than the page-cache copies did.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import pyfuse3
 import trio
 
 from .cache import ChunkCache
@@ -194,3 +198,85 @@ class PageFeeder:
     def _release(self, i: int) -> None:
         if self.holds(i) and i not in self.keep:
             self.cache.discard(self.m.chunks[i].digest)
+
+
+class _Piece:
+    """One page-cache push: where, what, and whom to tell how it went."""
+    __slots__ = ("inode", "offset", "data", "done", "error")
+
+    def __init__(self, inode: int, offset: int, data: bytes | memoryview, done: Done) -> None:
+        self.inode, self.offset, self.data, self.done = inode, offset, data, done
+        self.error: OSError | None = None
+
+
+def _store_pieces(notify: Callable[[int, int, bytes | memoryview], None], pieces: list[_Piece]) -> None:
+    """notify_store every piece, in a worker thread; each keeps its own error."""
+    for p in pieces:
+        try:
+            notify(p.inode, p.offset, p.data)
+        except OSError as e:
+            p.error = e
+
+
+@dataclass(frozen=True)
+class PushStats:
+    pieces: int           # pushes asked for
+    thread_calls: int     # worker-thread calls that made them
+    failed: int           # pushes the kernel refused (the reader then reads through the daemon)
+
+
+class Pusher:
+    """The on_chunk callback (pagecache.Push): stores chunks in the kernel page cache from worker
+    threads. Never from the event loop: the kernel may wait for a page lock that one of our replies
+    releases. `push` only queues the piece (a memory channel); `run` owns `threads` sender tasks, each
+    taking everything queued into one thread call (a chunk's interior and the pages it completes, the
+    chunks that landed meanwhile), then telling each piece's `done`. `notify` is pyfuse3.notify_store
+    (tests pass a recorder). A kernel without notify_store disables it: every push is refused (ENOSYS),
+    so the reader's reads come to the daemon, which keeps the chunks for them."""
+
+    def __init__(self, threads: int = 2,
+                 notify: Callable[[int, int, bytes | memoryview], None] = pyfuse3.notify_store) -> None:
+        self.threads = threads
+        self.notify = notify
+        self.disabled = False
+        self._inbox, self._queue = trio.open_memory_channel[_Piece](math.inf)
+        self._pieces = self._calls = self._failed = 0
+
+    def statistics(self) -> PushStats:
+        return PushStats(pieces=self._pieces, thread_calls=self._calls, failed=self._failed)
+
+    def __call__(self, inode: int, offset: int, data: bytes | memoryview, done: Done) -> None:
+        self._pieces += 1
+        if self.disabled:
+            self._failed += 1
+            done(OSError(errno.ENOSYS, "notify_store is not supported by this kernel"))
+            return
+        self._inbox.send_nowait(_Piece(inode, offset, data, done))
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The sender tasks, until cancelled (with the mount)."""
+        async with trio.open_nursery() as n:
+            for _ in range(self.threads):
+                n.start_soon(self._sender)
+            task_status.started()
+
+    async def _sender(self) -> None:
+        async for first in self._queue:
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._queue.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            self._calls += 1
+            await trio.to_thread.run_sync(_store_pieces, self.notify, batch)
+            for p in batch:
+                if p.error is not None:
+                    self._failed += 1
+                    if p.error.errno == errno.ENOSYS and not self.disabled:
+                        log.warning("kernel does not support notify_store; page cache push disabled")
+                        self.disabled = True
+                try:
+                    p.done(p.error)
+                except Exception:         # a bug in a callback must not end the mount's pushes
+                    log.exception("page cache push at %d: completion failed", p.offset)

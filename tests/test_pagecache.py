@@ -114,7 +114,7 @@ async def test_pushes_that_queue_up_go_in_one_thread_call_and_errors_reach_their
 
     import trio.testing
 
-    from cpfs.daemon import Pusher
+    from cpfs.pagecache import Pusher
 
     stored: list[int] = []
     release = threading.Event()
@@ -159,7 +159,7 @@ async def test_a_kernel_without_notify_store_disables_the_pusher_and_refuses_eve
     """The mount works without it: a refused push leaves the chunk with the daemon for the reader."""
     import errno
 
-    from cpfs.daemon import Pusher
+    from cpfs.pagecache import Pusher
 
     calls: list[int] = []
 
