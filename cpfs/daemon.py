@@ -108,9 +108,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
                                  * buffers.size_class(config.chunk_size + chunkfmt.HEADER_SIZE))
     pusher = Pusher() if config.notify_store else None
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher, fetch_many=pool.fetch_chunks,
-                      fetch_blocks=pool.fetch_blocks)
+                      fetch_blocks=pool.fetch_blocks, on_reply=pusher.replied if pusher else None)
     staging = await trio.to_thread.run_sync(prepare_staging, config)
-    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging)
+    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging, pusher)
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"} | mount_options(config)
     try:
         pyfuse3.init(ops, str(mountpoint), options)

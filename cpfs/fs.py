@@ -57,6 +57,7 @@ from .errors import CpfsError, Exists, IsADirectory, ManifestError, NotADirector
 from .manifest import (XATTR_NAME_MAX, XATTR_NAMESPACE, XATTR_SIZE_MAX, Manifest, Summary, check_xattrs,
                        parent_dirs)
 from .namespace import Namespace, Node
+from .pagecache import Pusher
 from .readahead import FileReader, Scheduler
 from .store.base import Capacity
 from .writer import WriteSession
@@ -138,6 +139,7 @@ class Handle:
     reader: FileReader | None = None     # read-only handles of committed files
     writable: bool = False
     data: bytes | None = None            # the control file's content, made at open
+    direct: bool = False                 # opened O_DIRECT: the kernel caches no read of it
 
 
 @dataclass
@@ -157,10 +159,11 @@ class CpfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
 
     def __init__(self, namespace: Namespace, scheduler: Scheduler, catalog: Catalog, config: Config,
-                 staging: Path) -> None:
+                 staging: Path, pusher: Pusher | None = None) -> None:
         super().__init__()
         self.ns = namespace
         self.sched = scheduler
+        self.pusher = pusher                            # the page-cache pushes, for the statistics
         self.catalog = catalog
         self.config = config
         self.staging = staging
@@ -442,7 +445,8 @@ class CpfsOperations(pyfuse3.Operations):
         mount = {"files": sum(1 for n in self.ns.nodes.values() if not n.is_dir), "retired": len(self.ns.retired),
                  "open_handles": len(self.handles), "writing": len(self.writing)}
         return stats.collect(pool=self.catalog.pool, catalog=self.catalog, scheduler=self.sched, mount=mount,
-                             plans=[p.statistics() for p in self.plans.values()])
+                             plans=[p.statistics() for p in self.plans.values()],
+                             pushes=self.pusher.statistics() if self.pusher else None)
 
     @boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -613,15 +617,16 @@ class CpfsOperations(pyfuse3.Operations):
         # ESTALE made the kernel look again, and a second replacement meanwhile failed the open.
         if node.broken and not flags & os.O_TRUNC:
             raise ManifestError(f"{node.path}: {node.broken}")
+        direct = bool(flags & os.O_DIRECT)       # the kernel caches no read of this open
         if flags & os.O_ACCMODE != os.O_RDONLY:
             await self._session(node, truncate=bool(flags & os.O_TRUNC))
-            return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, writable=True)), direct_io=False,
-                                    keep_cache=True)
+            fh = self._new_handle(Handle(node, writable=True, direct=direct))
+            return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=True)
         if node.ino in self.writing or node.summary is None:
-            return pyfuse3.FileInfo(fh=self._new_handle(Handle(node)), keep_cache=True)
+            return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, direct=direct)), keep_cache=True)
         assert self.nursery is not None
-        reader = await self.sched.open(self.nursery, await self._manifest(node), node.index, inode)
-        return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, reader)), keep_cache=True)
+        reader = await self.sched.open(self.nursery, await self._manifest(node), node.index, inode, direct)
+        return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, reader, direct=direct)), keep_cache=True)
 
     @boundary
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -646,7 +651,7 @@ class CpfsOperations(pyfuse3.Operations):
                 return b""
             m = await self._manifest(h.node)
             assert self.nursery is not None
-            h.reader = await self.sched.open(self.nursery, m, h.node.index, h.node.ino)
+            h.reader = await self.sched.open(self.nursery, m, h.node.index, h.node.ino, h.direct)
         return await h.reader.read(off, size)
 
     # -- writing ----------------------------------------------------------------------------------

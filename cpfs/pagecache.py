@@ -45,13 +45,18 @@ Done = Callable[[OSError | None], None]
 # push(inode, file offset, data, done): queue a piece for the kernel page cache; done(None) once it is
 # there, done(error) if the kernel refused it; called on the event loop's thread, maybe at once.
 Push = Callable[[int, int, bytes | memoryview, Done], None]
+# replied(inode, lo, hi): a read of the file's whole pages [lo, hi) is being answered into the page
+# cache, so pushes of them still queued may leave them out (Pusher.replied).
+Replied = Callable[[int, int, int], None]
 
 
 class PageFeeder:
-    def __init__(self, manifest: Manifest, inode: int, push: Push, cache: ChunkCache) -> None:
+    def __init__(self, manifest: Manifest, inode: int, push: Push, cache: ChunkCache,
+                 on_reply: Replied | None = None) -> None:
         self.m = manifest
         self.inode = inode
         self.push = push
+        self.on_reply = on_reply
         self.cache = cache
         self.sent: set[int] = set()          # chunks whose interior is pushed or being pushed
         self.done: set[int] = set()          # ... and has been pushed
@@ -152,6 +157,14 @@ class PageFeeder:
         for j in self.m.chunk_range(page * PAGE, PAGE):
             self._release(j)
 
+    def replied(self, offset: int, end: int) -> None:
+        """A buffered read of [offset, end) is being answered: the kernel caches its whole pages from
+        the reply (the last page of the file counts as whole)."""
+        lo = -(-offset // PAGE) * PAGE
+        hi = end if end == self.m.size else end - end % PAGE
+        if self.on_reply is not None and lo < hi:
+            self.on_reply(self.inode, lo, hi)
+
     def lost(self, offset: int, end: int, ever: bool = False) -> bool:
         """Whether a read of [offset, end) asks the daemon for pages whose push completed: the kernel
         dropped them (it never asks for pages it holds). With `ever`, also pages pushed before a
@@ -200,20 +213,44 @@ class PageFeeder:
             self.cache.discard(self.m.chunks[i].digest)
 
 
+Span = tuple[int, memoryview]          # (file offset, bytes) of a push still to send
+
+
+def without(spans: tuple[Span, ...], lo: int, hi: int) -> tuple[Span, ...]:
+    """`spans` less the file range [lo, hi) (whole pages: the ends of a read the kernel caches)."""
+    kept: list[Span] = []
+    for offset, data in spans:
+        end = offset + len(data)
+        if end <= lo or hi <= offset:
+            kept.append((offset, data))
+            continue
+        if offset < lo:
+            kept.append((offset, data[:lo - offset]))
+        if hi < end:
+            kept.append((hi, data[hi - offset:]))
+    return tuple(kept)
+
+
 class _Piece:
-    """One page-cache push: where, what, and whom to tell how it went."""
-    __slots__ = ("inode", "offset", "data", "done", "error")
+    """One page-cache push: where and what (`spans`, which a read answered meanwhile may shrink), and
+    whom to tell how it went."""
+    __slots__ = ("inode", "offset", "size", "spans", "done", "error", "sent")
 
     def __init__(self, inode: int, offset: int, data: bytes | memoryview, done: Done) -> None:
-        self.inode, self.offset, self.data, self.done = inode, offset, data, done
+        self.inode, self.offset, self.size, self.done = inode, offset, len(data), done
+        self.spans: tuple[Span, ...] = ((offset, memoryview(data)),)
         self.error: OSError | None = None
+        self.sent = 0                     # bytes the kernel was given
 
 
 def _store_pieces(notify: Callable[[int, int, bytes | memoryview], None], pieces: list[_Piece]) -> None:
-    """notify_store every piece, in a worker thread; each keeps its own error."""
+    """notify_store every piece, in a worker thread; each keeps its own error. A piece's spans are
+    read once: the event loop may replace them (`Pusher.replied`) while this thread works."""
     for p in pieces:
         try:
-            notify(p.inode, p.offset, p.data)
+            for offset, data in p.spans:
+                notify(p.inode, offset, data)
+                p.sent += len(data)
         except OSError as e:
             p.error = e
 
@@ -223,6 +260,8 @@ class PushStats:
     pieces: int           # pushes asked for
     thread_calls: int     # worker-thread calls that made them
     failed: int           # pushes the kernel refused (the reader then reads through the daemon)
+    bytes: int            # bytes the kernel was given
+    replied_bytes: int    # bytes of pieces left out because a read's reply gave them to the kernel first
 
 
 class Pusher:
@@ -232,7 +271,12 @@ class Pusher:
     taking everything queued into one thread call (a chunk's interior and the pages it completes, the
     chunks that landed meanwhile), then telling each piece's `done`. `notify` is pyfuse3.notify_store
     (tests pass a recorder). A kernel without notify_store disables it: every push is refused (ENOSYS),
-    so the reader's reads come to the daemon, which keeps the chunks for them."""
+    so the reader's reads come to the daemon, which keeps the chunks for them.
+
+    A cold load outruns the pushes: the kernel's readahead asks the daemon for pages whose push is
+    still queued (a fifth of a 512 MiB load's bytes, measured), and the reply puts them in the page
+    cache. `replied` takes those pages out of the queued pieces, so the kernel is not given them twice;
+    a piece a thread has already taken goes whole."""
 
     def __init__(self, threads: int = 2,
                  notify: Callable[[int, int, bytes | memoryview], None] = pyfuse3.notify_store) -> None:
@@ -240,10 +284,12 @@ class Pusher:
         self.notify = notify
         self.disabled = False
         self._inbox, self._queue = trio.open_memory_channel[_Piece](math.inf)
-        self._pieces = self._calls = self._failed = 0
+        self._queued: dict[int, dict[_Piece, None]] = {}     # inode -> its pieces not yet done
+        self._pieces = self._calls = self._failed = self._bytes = self._replied = 0
 
     def statistics(self) -> PushStats:
-        return PushStats(pieces=self._pieces, thread_calls=self._calls, failed=self._failed)
+        return PushStats(pieces=self._pieces, thread_calls=self._calls, failed=self._failed,
+                         bytes=self._bytes, replied_bytes=self._replied)
 
     def __call__(self, inode: int, offset: int, data: bytes | memoryview, done: Done) -> None:
         self._pieces += 1
@@ -251,7 +297,16 @@ class Pusher:
             self._failed += 1
             done(OSError(errno.ENOSYS, "notify_store is not supported by this kernel"))
             return
-        self._inbox.send_nowait(_Piece(inode, offset, data, done))
+        piece = _Piece(inode, offset, data, done)
+        self._queued.setdefault(inode, {})[piece] = None
+        self._inbox.send_nowait(piece)
+
+    def replied(self, inode: int, lo: int, hi: int) -> None:
+        """A read of the file's whole pages [lo, hi) is being answered into the page cache: push them
+        no more (a thread that took a piece already pushes what it took)."""
+        for p in self._queued.get(inode, ()):
+            if p.offset < hi and lo < p.offset + p.size:
+                p.spans = without(p.spans, lo, hi)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The sender tasks, until cancelled (with the mount)."""
@@ -271,6 +326,13 @@ class Pusher:
             self._calls += 1
             await trio.to_thread.run_sync(_store_pieces, self.notify, batch)
             for p in batch:
+                queued = self._queued[p.inode]
+                del queued[p]
+                if not queued:
+                    del self._queued[p.inode]
+                self._bytes += p.sent
+                if p.error is None:
+                    self._replied += p.size - p.sent
                 if p.error is not None:
                     self._failed += 1
                     if p.error.errno == errno.ENOSYS and not self.disabled:

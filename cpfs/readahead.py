@@ -69,7 +69,7 @@ from .cache import ChunkCache
 from .config import Config
 from .errors import CpfsError
 from .manifest import ChunkEntry, Manifest
-from .pagecache import PageFeeder, Push
+from .pagecache import PageFeeder, Push, Replied
 from .sync import fan_out
 from .tensor_index import TensorIndex
 
@@ -205,13 +205,15 @@ class Scheduler:
     """Shared by every open file of a mount: the fetch limiter, the counters, the task owner."""
 
     def __init__(self, cache: ChunkCache, fetch: Fetch, config: Config, on_chunk: Push | None = None,
-                 fetch_many: FetchMany | None = None, fetch_blocks: FetchBlocks | None = None) -> None:
+                 fetch_many: FetchMany | None = None, fetch_blocks: FetchBlocks | None = None,
+                 on_reply: Replied | None = None) -> None:
         self.cache = cache
         self.fetch = fetch
         self.fetch_many = fetch_many or self._fetch_each
         self.fetch_blocks = fetch_blocks
         self.config = config
         self.on_chunk = on_chunk
+        self.on_reply = on_reply
         self.limiter = trio.CapacityLimiter(config.fetch_concurrency)
         self._open = self._reads = self._read_bytes = 0
         self._demand = self._prefetches = self._failures = 0
@@ -234,7 +236,7 @@ class Scheduler:
             return None
         key = (inode, manifest.version)
         if key not in self._feeders:
-            self._feeders[key] = PageFeeder(manifest, inode, self.on_chunk, self.cache)
+            self._feeders[key] = PageFeeder(manifest, inode, self.on_chunk, self.cache, self.on_reply)
             self._feeders[key].keep = self._declared.get(key, frozenset())
         return self._feeders[key]
 
@@ -304,9 +306,10 @@ class Scheduler:
             files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
-                   inode: int = 0) -> "FileReader":
-        """A reader whose prefetch task lives in `nursery` until `aclose()`."""
-        reader = FileReader(self, manifest, index, inode)
+                   inode: int = 0, direct: bool = False) -> "FileReader":
+        """A reader whose prefetch task lives in `nursery` until `aclose()`; `direct`: for an O_DIRECT
+        open, whose reads the kernel does not cache."""
+        reader = FileReader(self, manifest, index, inode, direct)
         await nursery.start(reader._run)
         return reader
 
@@ -421,11 +424,13 @@ class _Batch:
 
 
 class FileReader:
-    def __init__(self, sched: Scheduler, manifest: Manifest, index: TensorIndex | None, inode: int) -> None:
+    def __init__(self, sched: Scheduler, manifest: Manifest, index: TensorIndex | None, inode: int,
+                 direct: bool = False) -> None:
         self.sched = sched
         self.m = manifest
         self.index = index
         self.inode = inode
+        self.direct = direct
         cfg = sched.config
         self.layout = layout_for(manifest, index)
         plan = list(self.layout.plan)
@@ -953,6 +958,8 @@ class FileReader:
         self.sched._reads += 1
         self.sched._read_bytes += end - offset
         self.sched._last_read = trio.current_time()      # and after it, should it have waited long
+        if self.feeder is not None and not self.direct:
+            self.feeder.replied(offset, end)    # the reply fills the kernel's pages: push them no more
         pieces = []
         for data, base, i in zip(datas, bases, chunks):
             start, stop = self.m.offsets[i] + base, self.m.offsets[i + 1]

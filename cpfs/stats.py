@@ -26,10 +26,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], plans: Sequence[Any] = ()) -> bytes:
+def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], plans: Sequence[Any] = (),
+            pushes: Any = None) -> bytes:
     """The JSON document: stores (requests, bytes, errors, latency), their health, replica reads
-    (hedges, repairs), the chunk cache, the readahead scheduler, declared prefetches, the catalog, and
-    the mount's own."""
+    (hedges, repairs), the chunk cache, the readahead scheduler, the page-cache pushes, declared
+    prefetches, the catalog, and the mount's own."""
     doc = {
         "time": time.time(),
         "stores": _plain(pool.statistics()),
@@ -37,6 +38,7 @@ def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], p
         "replicas": _plain(pool.replica_statistics()),
         "cache": _plain(scheduler.cache.statistics()),
         "scheduler": _plain(scheduler.statistics()),
+        "pushes": _plain(pushes),
         "plans": _plain(list(plans)),
         "catalog": _plain(catalog.statistics()),
         "mount": mount,
@@ -76,7 +78,10 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     prefetch = f"{sc['prefetches']} prefetched ({sc['prefetch_failures']} failed"
     if "prefetch_used" in sc and "prefetch_wasted" in sc:
         prefetch += f", {sc['prefetch_used']} used, {sc['prefetch_wasted']} wasted"
-    pushed = f"{sc['pushed']} chunks" + (f" ({sc['pushed_bytes'] / MiB:.1f} MiB)" if "pushed_bytes" in sc else "")
+    pushed = f"{sc['pushed']} chunks"
+    if p := now.get("pushes"):
+        pushed += (f" ({p['bytes'] / MiB:.1f} MiB; {p['replied_bytes'] / MiB:.1f} MiB left out, read replies gave "
+                   f"them first)")
     if sc.get("kernel_drops"):
         pushed += f" (the kernel dropped them {sc['kernel_drops']} times)"
     lines.append(f"reads: {sc['reads']} requests, {sc['read_bytes'] / MiB:.1f} MiB; fetches: {sc['demand_fetches']} "

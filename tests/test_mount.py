@@ -122,6 +122,18 @@ def test_mmap_of_a_mounted_file(imported, source, mount):
             assert mm[off:off + 10] == src[off:off + 10]
 
 
+def test_o_direct_reads_and_buffered_reads_after_them_are_byte_exact(imported, source, mount):
+    """An O_DIRECT open's replies do not reach the page cache: its reads must not take pages out of the
+    pushes (cpfs/pagecache.py: Pusher.replied), or the buffered reads after them would miss those."""
+    m = mount(imported)
+    for rel in ("run1/step_100.pt", "run1/deep/er/odd.bin"):
+        want = (source / rel).read_bytes()
+        dd = subprocess.run(["dd", f"if={m.path / rel}", "iflag=direct", "bs=1M", "status=none"],
+                            capture_output=True, check=True)
+        assert dd.stdout == want, rel
+        assert (m.path / rel).read_bytes() == want, rel
+
+
 def test_safetensors_random_tensors(imported_any, mount):
     from safetensors import safe_open
 

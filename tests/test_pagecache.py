@@ -231,3 +231,59 @@ def test_reads_of_dropped_pages_mean_a_dropped_stretch_once_they_add_up_nearby()
 
 def _noop_push(inode: int, offset: int, piece, done) -> None:
     pass
+
+
+async def test_a_read_answered_while_its_pages_wait_in_the_queue_takes_them_out_of_the_push():
+    """The kernel's readahead outruns the pushes on a cold load; the reply puts the pages it asked for
+    in the page cache, so the queued push of them gives the kernel only the rest."""
+    import threading
+
+    from cpfs.pagecache import Pusher, without
+
+    data = bytes(range(256)) * (12 * PAGE // 256)
+    stored: list[tuple[int, int, bytes]] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def notify(inode: int, offset: int, piece) -> None:
+        if (inode, offset) == (1, 0):
+            entered.set()
+            release.wait(10)              # the first piece holds the only thread while the others queue
+        stored.append((inode, offset, bytes(piece)))
+
+    push = Pusher(threads=1, notify=notify)
+    landed: list[OSError | None] = []
+    async with trio.open_nursery() as n:
+        await n.start(push.run)
+        push(1, 0, data[:4 * PAGE], landed.append)
+        await trio.to_thread.run_sync(entered.wait, 10)        # taken: it goes whole
+        push(1, 4 * PAGE, data[4 * PAGE:12 * PAGE], landed.append)
+        push(2, 4 * PAGE, data[4 * PAGE:12 * PAGE], landed.append)   # another file
+        push.replied(1, 0, PAGE)                                # the taken piece's pages
+        push.replied(1, 6 * PAGE, 8 * PAGE)                     # the middle of the queued one
+        push.replied(1, 11 * PAGE, 13 * PAGE)                   # its end, and past it
+        release.set()
+        with trio.fail_after(10):
+            while len(landed) < 3:
+                await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert landed == [None, None, None]
+    assert stored == [(1, 0, data[:4 * PAGE]),
+                      (1, 4 * PAGE, data[4 * PAGE:6 * PAGE]), (1, 8 * PAGE, data[8 * PAGE:11 * PAGE]),
+                      (2, 4 * PAGE, data[4 * PAGE:12 * PAGE])]
+    st = push.statistics()
+    assert st.pieces == 3 and st.bytes == 17 * PAGE and st.replied_bytes == 3 * PAGE
+    # Spans less a range: before, after, across, inside, and nothing left.
+    spans = ((0, memoryview(data)[:4 * PAGE]),)
+    assert [(o, len(d)) for o, d in without(spans, 4 * PAGE, 8 * PAGE)] == [(0, 4 * PAGE)]
+    assert [(o, len(d)) for o, d in without(spans, PAGE, 2 * PAGE)] == [(0, PAGE), (2 * PAGE, 2 * PAGE)]
+    assert without(spans, 0, 4 * PAGE) == ()
+
+
+async def test_the_feeder_tells_the_whole_pages_a_read_fills():
+    m, data = layout(5)
+    told: list[tuple[int, int, int]] = []
+    feeder = PageFeeder(m, 9, lambda *a: None, ChunkCache(1 << 30), on_reply=lambda *a: told.append(a))
+    feeder.replied(100, 3 * PAGE + 5)          # a partial page at each end is not the reply's to fill
+    feeder.replied(PAGE, PAGE + 10)            # no whole page
+    feeder.replied(2 * PAGE, m.size)           # the file's last page counts as whole
+    assert told == [(9, PAGE, 3 * PAGE), (9, 2 * PAGE, m.size)]

@@ -687,3 +687,24 @@ async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks
                 assert events == [("start", 1), ("start", 4)]     # the second page of chunk 4: a cache hit
             await reader.aclose()
             n.cancel_scope.cancel()
+
+
+async def test_a_reply_takes_its_pages_out_of_queued_pushes_but_not_a_reply_to_an_o_direct_open(autojump_clock):
+    """A buffered read's reply fills the kernel's pages (Pusher.replied leaves them out of pushes still
+    queued); an O_DIRECT open's does not, so its reads must not take anything out."""
+    store = FakeStore(latency=0.008)
+    m, data = make_file(store, 8)
+    kernel = Kernel(len(data))
+    told: list[tuple[int, int, int]] = []
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(), on_chunk=kernel.push,
+                      on_reply=lambda *a: told.append(a))
+    async with trio.open_nursery() as n:
+        direct = await sched.open(n, m, None, inode=3, direct=True)
+        assert bytes(await direct.read(CHUNK + 10, 2 * CHUNK)) == data[CHUNK + 10:3 * CHUNK + 10]
+        await direct.aclose()
+        assert told == []
+        buffered = await sched.open(n, m, None, inode=3)
+        assert bytes(await buffered.read(CHUNK + 10, 2 * CHUNK)) == data[CHUNK + 10:3 * CHUNK + 10]
+        assert bytes(await buffered.read(7 * CHUNK, CHUNK + 99)) == data[7 * CHUNK:]
+        await buffered.aclose()
+    assert told == [(3, CHUNK + 4096, 3 * CHUNK), (3, 7 * CHUNK, 8 * CHUNK)]
