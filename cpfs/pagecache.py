@@ -274,9 +274,11 @@ class Pusher:
     so the reader's reads come to the daemon, which keeps the chunks for them.
 
     A cold load outruns the pushes: the kernel's readahead asks the daemon for pages whose push is
-    still queued (a fifth of a 512 MiB load's bytes, measured), and the reply puts them in the page
+    still queued (a sixth of the bytes of a 512 MiB load, measured), and the reply puts them in the page
     cache. `replied` takes those pages out of the queued pieces, so the kernel is not given them twice;
-    a piece a thread has already taken goes whole."""
+    a piece a thread has already taken goes whole. Should a reply not reach the page cache after all
+    (its request interrupted, O_DIRECT set with fcntl after the open), the kernel asks again for those
+    pages, and the reader serves them as pages the kernel dropped: a fetch, never wrong bytes."""
 
     def __init__(self, threads: int = 2,
                  notify: Callable[[int, int, bytes | memoryview], None] = pyfuse3.notify_store) -> None:
