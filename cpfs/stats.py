@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .catalog import VOID_RETRY
+
 CONTROL_NAME = ".cpfs-stats"
 CONTROL_INO = 0x7FFF_FFFF_FFFF_FF00      # far above the inode numbers the namespace hands out
 MiB = 1024 * 1024
@@ -115,5 +117,5 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                      f"where a copy stayed), {cat['transactions']} transactions")
         if cat.get("unvoided"):
             lines.append(f"WARNING: {cat['unvoided']} failed commits may count as current: no store took the key "
-                         f"that voids them yet (tried again every 10 s; the mount's log names them)")
+                         f"that voids them yet (tried again every {VOID_RETRY:g} s; the mount's log names them)")
     return "\n".join(lines)
