@@ -21,10 +21,11 @@ from cpfs.tensor_index import Record, TensorEntry, TensorIndex
 CHUNK = 64 * 1024
 
 
-def config(cache: str = "4MiB", initial: int = 4 * CHUNK, max: int = 32 * CHUNK, concurrency: int = 16):
+def config(cache: str = "4MiB", initial: int = 4 * CHUNK, max: int = 32 * CHUNK, concurrency: int = 16,
+           read_ahead_kb: int = 1024):
     text = (f'replicas = 1\nchunk_size = "64KiB"\n[cache]\nmemory = "{cache}"\n[readahead]\n'
             f'initial = {initial}\nmax = {max}\nconcurrency = {concurrency}\n'
-            f'[[store]]\nname = "s"\nurl = "/nonexistent"\n')
+            f'[mount]\nread_ahead_kb = {read_ahead_kb}\n[[store]]\nname = "s"\nurl = "/nonexistent"\n')
     return parse_config(text, "test", Path("/"))
 
 
@@ -308,6 +309,37 @@ async def test_a_sequential_reader_of_a_zip_with_record_headers_between_tensors_
     # Before: a jump at every header, 46 demand fetches, 0.58 of the serial time.
     assert stats.pattern == "stream" and stats.demand_fetches < tensors
     assert elapsed < serial / 4
+
+
+async def test_a_whole_file_reader_finds_the_window_filled_ahead_a_quarter_at_a_time(autojump_clock):
+    """A reader that takes time between reads (2 ms per chunk, fetches take 8 ms) never waits once its
+    window is full: held chunks a quarter window apart tell the daemon where it is while most of the window
+    is still ahead. With one such chunk, at the window's far end, the reader emptied the window, then
+    waited for every refill."""
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store)
+    kernel = Kernel(len(data))
+    # Reads of a chunk and the kernel's readahead (the stream's slack) scaled down with the chunks, as
+    # tensors are to them: its first read into the second tensor shows a whole-tensor reader.
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=8 * CHUNK, read_ahead_kb=16),
+                      on_chunk=kernel.push)
+    waited: dict[int, float] = {}
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        await trio.sleep(1)
+        out = bytearray()
+        for off in range(0, m.size, CHUNK):
+            t0 = trio.current_time()
+            out += await kernel.read(reader, off, CHUNK)
+            waited[off] = trio.current_time() - t0
+            await trio.sleep(0.002)                         # the reader's own work
+        assert reader.window == 8 * CHUNK
+        await reader.aclose()
+    assert bytes(out) == data
+    assert sorted(fetched(store, m)) == list(range(len(m.chunks)))      # each chunk once
+    late = sum(w for off, w in waited.items() if off >= m.size // 2)   # the window is full from a half on
+    print(f"waits: {sum(waited.values()) * 1000:.0f} ms in all, {late * 1000:.0f} ms in the second half")
+    assert late == 0
 
 
 async def read_tensor(kernel: Kernel, reader, t: TensorEntry, lo: float = 0.0, hi: float = 1.0,
