@@ -173,7 +173,9 @@ def layout_for(manifest: Manifest, index: TensorIndex | None) -> Layout:
     seen: dict[int, None] = {}
     head: dict[int, None] = {}
     for offset, length in head_ranges:
-        for i in manifest.chunk_range(offset, length):
+        # The kernel reads whole pages: a page the range shares with a neighbour comes with that chunk.
+        lo, hi = offset // PAGE * PAGE, min(manifest.size, -(-(offset + length) // PAGE) * PAGE)
+        for i in manifest.chunk_range(lo, hi - lo):
             head.setdefault(i, None)
             seen.setdefault(i, None)
     # Chunks outside every tensor and the head (a torch record's zip header between two records) go

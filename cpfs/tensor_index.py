@@ -51,6 +51,7 @@ _FORMATS = ("torch-zip", "safetensors")
 MAX_PICKLE = 64 << 20
 _MAX_CENTRAL_DIR = 64 << 20
 MAX_SAFETENSORS_HEADER = 100 << 20
+EOCD_SEARCH = 4096       # torch's zip reader (miniz) first reads this much of the file's end, for the end record
 # data.pkl work, in budget units (see _Budget): at most so many per byte of pickle, plus a slack,
 # and never more than the cap. torch.save spends ~32 opcodes (~100 bytes) per tensor, so the caps
 # index ~500,000 tensors (a large MoE model with its optimizer state); an opcode allocates at most
@@ -164,7 +165,10 @@ class TensorIndex:
             return [r for r in ranges if r[1] > 0]
         ranges = []
         if self.file_size > self.directory_offset:
-            ranges.append((self.directory_offset, self.file_size - self.directory_offset))
+            # The loader looks for the end record in the file's last EOCD_SEARCH bytes before it reads
+            # the directory: when the directory is shorter, that read takes the last tensor's end too.
+            start = min(self.directory_offset, max(0, self.file_size - EOCD_SEARCH))
+            ranges.append((start, self.file_size - start))
         root = _torch_root(self.records)
         pkl = f"{root}/data.pkl"
         storages = {r.name[len(root) + 6:]: r for r in self.records

@@ -10,7 +10,8 @@ import trio.testing
 from cpfs.cache import ChunkCache
 from cpfs.pagecache import RACE
 from cpfs.plan import Plan, PlanError, chunks_for, parse_patterns
-from cpfs.readahead import Scheduler
+from cpfs.readahead import PAGE, Scheduler
+from cpfs.tensor_index import EOCD_SEARCH
 from test_readahead import CHUNK, FakeStore, Kernel, checkpoint, config, cut_checkpoint, fetched, make_file
 
 
@@ -29,14 +30,19 @@ def test_a_torch_plan_is_the_head_every_zip_header_and_each_matched_storage() ->
     m, _, index, headers = cut_checkpoint(store, tensors=8, length=768 * 1024)
     chunks, n = chunks_for(m, index, ("t2", "t5"))
     assert n == 2
-    head = [m.chunk_at(index.directory_offset), m.chunk_at(64)]        # zip directory, data.pkl
+    # The zip reader's first read (the end record's search, whole pages: the last record's end with
+    # it), the zip directory, data.pkl.
+    eocd = (m.size - EOCD_SEARCH) // PAGE * PAGE
+    head = [*m.chunk_range(eocd, m.size - eocd), m.chunk_at(64)]
+    assert m.chunk_at(eocd) < m.chunk_at(index.directory_offset) == len(m.chunks) - 1
     records = [index.records[1 + k] for k in (2, 5)]
     data = {i for r in records for i in m.chunk_range(r.offset, r.length)}
     small = {m.chunk_at(h) for h in headers}
     assert chunks == head + sorted((data | small) - set(head))
     assert len(data) == 6 and all(m.chunks[i].raw_len < 25_000 for i in small)
     big = {i for i in range(len(m.chunks)) if m.chunks[i].raw_len > 100_000}
-    assert big & set(chunks) == big & data == {5, 11}                   # of the big chunks, t2's and t5's
+    assert big & data == {5, 11}                                        # of the big chunks, t2's and t5's
+    assert big & set(chunks) == {5, 11, m.chunk_at(eocd)}               # and the one the end record's search takes
     with pytest.raises(PlanError, match="no tensor matches"):
         chunks_for(m, index, ("layers.*",))
     with pytest.raises(PlanError, match="no tensor index"):

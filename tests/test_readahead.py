@@ -15,7 +15,7 @@ from cpfs.config import parse_config
 from cpfs.errors import ChunkUnavailable
 from cpfs.manifest import ChunkEntry, Manifest
 from cpfs.pagecache import RACE
-from cpfs.readahead import REFILL_IDLE, Scheduler, plan_for
+from cpfs.readahead import REFILL_IDLE, Scheduler, layout_for, plan_for
 from cpfs.tensor_index import Record, TensorEntry, TensorIndex
 
 CHUNK = 64 * 1024
@@ -274,6 +274,36 @@ async def test_open_fetches_only_the_head_and_a_reader_in_plan_order_gets_a_grow
     stats = sched.statistics().files[0]
     assert not stats.open and stats.fetched_bytes == m.size - 2 * CHUNK + 2 * CHUNK
     assert stats.prefetch_used_bytes >= stats.prefetched_bytes // 2
+
+
+async def test_open_fetches_the_pages_the_zip_reader_reads_first_with_their_chunks(autojump_clock):
+    """torch's zip reader first reads the file's last 4 KiB, for the end record. With a directory shorter
+    than that, those pages hold the last tensor's end too, and the kernel reads whole pages: that chunk
+    is fetched at open with the rest of the head (it cost a cold load over remote-like stores a round
+    trip of its own). The page the data.pkl record starts in comes with it."""
+    store = FakeStore(latency=0.008)
+    size = 4 * CHUNK + 1500
+    data = random.Random(3).randbytes(size)
+    cuts = [0, CHUNK, 2 * CHUNK, 3 * CHUNK, 4 * CHUNK, size]
+    chunks = []
+    for a, b in zip(cuts, cuts[1:]):
+        store.blobs[chunk_hash(data[a:b])] = data[a:b]
+        chunks.append(ChunkEntry(chunk_hash(data[a:b]), b - a, b - a, "raw", ("s",)))
+    tensor = TensorEntry("t", "float32", ((3 * CHUNK + 500) // 4,), (1,), "0", CHUNK, 3 * CHUNK + 500)
+    records = (Record("archive/data.pkl", 100, CHUNK - 200), Record("archive/data/0", tensor.offset, tensor.length))
+    index = TensorIndex("torch-zip", records, (tensor,), file_size=size, directory_offset=4 * CHUNK + 500)
+    m = Manifest("/f", size, 0, 0o644, CHUNK, tuple(chunks), 1, index)
+    assert size - 4096 < 4 * CHUNK and layout_for(m, index).head == (3, 4, 0)
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config())
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        await trio.sleep(1)
+        assert sorted(fetched(store, m)) == [0, 3, 4]
+        store.log.clear()
+        assert await reader.read(size - 4096, 4096) == data[size - 4096:]     # from the cache
+        assert await reader.read(0, 4096) == data[:4096]
+        assert store.log == []
+        await reader.aclose()
 
 
 async def test_a_sequential_reader_of_a_zip_with_record_headers_between_tensors_is_one_stream(autojump_clock):
