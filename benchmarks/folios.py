@@ -52,9 +52,9 @@ def folios(path: Path) -> Folios:
         # stays the page cache's own.
         m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         try:
-            view = memoryview(m)
-            for off in range(0, size, PAGE):        # fault every page in (and read it, if it was not cached)
-                view[off]
+            with memoryview(m) as view:
+                for off in range(0, size, PAGE):    # fault every page in (and read it, if it was not cached)
+                    view[off]
             base = _address(m)
             n = -(-size // PAGE)
             resident = large = heads = 0
@@ -72,7 +72,6 @@ def folios(path: Path) -> Folios:
                         large += 1
                     elif flags >> KPF_COMPOUND_TAIL & 1:
                         large += 1
-            del view
             return Folios(n, resident, large, heads)
         finally:
             m.close()

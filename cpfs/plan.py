@@ -44,7 +44,7 @@ from .chunking import LEAD, TAIL
 from .errors import CpfsError
 from .manifest import Manifest
 from .pagecache import PageFeeder
-from .readahead import PAGE, Scheduler, layout_for
+from .readahead import Scheduler, layout_for, page_chunks
 from .tensor_index import TensorIndex
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,7 @@ def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[st
     if not matched:
         raise PlanError(f"{manifest.path}: no tensor matches {', '.join(patterns)}")
     layout = layout_for(manifest, index)
-    wanted: set[int] = set()
-    starts = set(index.record_starts())
-    head = [r for r in index.read_order() if r[0] not in starts]     # as layout_for's head
+    wanted: set[int] = set(layout.head)
     if index.format == "torch-zip":
         records = {r.name.rsplit("/", 1)[-1]: r for r in index.records if "/data/" in r.name}
         spans = {(r.offset, r.length) for t in matched if (r := records.get(t.storage_key)) is not None}
@@ -91,12 +89,8 @@ def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[st
     data: set[int] = set()              # chunks holding bytes of some storage (or tensor)
     for u in layout.units:
         data.update(range(u.first, u.last + 1))
-    for offset, length in [*head, *spans]:
-        if length <= 0 or offset >= manifest.size:
-            continue
-        # The kernel takes whole pages: a page the span shares with a neighbour comes with that chunk.
-        lo, hi = offset // PAGE * PAGE, min(manifest.size, -(-(offset + length) // PAGE) * PAGE)
-        wanted.update(manifest.chunk_range(lo, hi - lo))
+    for offset, length in spans:
+        wanted.update(page_chunks(manifest, offset, length))
     if index.format == "torch-zip":
         # torch.load reads the zip local header of every storage in data.pkl, the ones never used too
         # (mmap=True as well): the chunk holding the bytes before a record's data comes if it is that

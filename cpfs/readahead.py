@@ -153,6 +153,13 @@ class Layout:
     loader_units: tuple[int, ...]   # indices into units, in loader order
 
 
+def page_chunks(manifest: Manifest, offset: int, length: int) -> range:
+    """The chunks of the whole pages bytes [offset, offset+length) touch: the kernel reads whole pages,
+    so a page the range shares with a neighbour brings that neighbour's chunk."""
+    lo, hi = offset // PAGE * PAGE, min(manifest.size, -(-(offset + length) // PAGE) * PAGE)
+    return manifest.chunk_range(lo, hi - lo)
+
+
 def layout_for(manifest: Manifest, index: TensorIndex | None) -> Layout:
     """The plan, head and units of a file; without an index the plan is file order and there are none."""
     n = len(manifest.chunks)
@@ -173,9 +180,7 @@ def layout_for(manifest: Manifest, index: TensorIndex | None) -> Layout:
     seen: dict[int, None] = {}
     head: dict[int, None] = {}
     for offset, length in head_ranges:
-        # The kernel reads whole pages: a page the range shares with a neighbour comes with that chunk.
-        lo, hi = offset // PAGE * PAGE, min(manifest.size, -(-(offset + length) // PAGE) * PAGE)
-        for i in manifest.chunk_range(lo, hi - lo):
+        for i in page_chunks(manifest, offset, length):
             head.setdefault(i, None)
             seen.setdefault(i, None)
     # Chunks outside every tensor and the head (a torch record's zip header between two records) go
@@ -674,10 +679,10 @@ class FileReader:
             else:
                 self._unpin(i)
 
-    def _release_marks(self, chunks: range, which: Callable[[int], bool]) -> None:
-        """Stop holding the stream's `marks` that `which` picks, to the kernel (a read of `chunks` is
-        taking those it covers)."""
-        for i in [i for i in self.marks if which(i)]:
+    def _release_marks(self, chunks: range, upto: int | None = None) -> None:
+        """Stop holding the stream's `marks` (those up to position `upto` of the stream's order, if
+        given), to the kernel; a read of `chunks` is taking those it covers."""
+        for i in [i for i in self.marks if upto is None or self.pos[self.k][i] <= upto]:
             self.marks.discard(i)
             if i in self.held and i not in chunks:
                 self._release_held(i)
@@ -792,7 +797,7 @@ class FileReader:
                         self._batch(starts[0], max(chunks[-1] + 1, starts[0].first))
             if k != self.k:
                 self.k, self.run, self.cursor, self.marker = k, 0, p1 + 1, None
-                self._release_marks(chunks, lambda i: True)
+                self._release_marks(chunks)
             for p in range(q + 1, p1 + 1):          # passed: the reader has them
                 i = order[p]
                 self._seen(i)
@@ -823,7 +828,7 @@ class FileReader:
             self._jump(offset, end, chunks)
         if self.marker is not None and (self.marker in chunks or self.pos[self.k][self.marker] <= self.last):
             self.marker = None
-        self._release_marks(chunks, lambda i: self.pos[self.k][i] <= self.last)     # passed unread
+        self._release_marks(chunks, upto=self.last)     # passed unread
         self._kick()
 
     def _at_header(self, offset: int) -> bool:
@@ -857,7 +862,7 @@ class FileReader:
         for i in [i for i in self.held if i == self.marker or i == self.batch_end or self.pos[0][i] <= here]:
             if i not in chunks:
                 self._release_held(i)
-        self._release_marks(chunks, lambda i: True)
+        self._release_marks(chunks)
         self.marker = self.batch_end = None
         self.k, self.run, self.window = 0, 0, 0
         self.from_head = False
