@@ -7,8 +7,8 @@ ways:
 
 - weights:  only the model weights (`sd["model"]`; safetensors: the `model.*` keys);
 - stage:    one pipeline stage, 1/8 of the layers (weights and optimizer state of layers 6 and 7);
-- slice:    rank 3 of 8: its 1/8 row slice of every 2-D tensor (safetensors `get_slice`), the 1-D
-            tensors whole (tensor-parallel resume);
+- slice:    rank 3 of 8 (`--rank`): its 1/8 row slice of every 2-D tensor (safetensors `get_slice`),
+            the 1-D tensors whole (tensor-parallel resume);
 - full:     everything (`.pt`: a plain torch.load; safetensors: every `get_tensor`).
 
 With --declare, the weights, stage and full cases run a second time with the reader declaring its
@@ -23,7 +23,7 @@ mount's statistics (`.cpfs-stats`), before and after the child. The target: fetc
 chunk per range boundary (a run of adjacent read bytes has two boundaries).
 
     python -m benchmarks.bench_partial [--size 512MiB] [--latency 5ms --bandwidth 400MiB/s] [--cases ...]
-                                       [--declare]
+                                       [--rank N] [--declare]
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ VOCAB = 16000
 STAGES = 8
 STAGE = 3                    # layers 6 and 7 of 16
 RANKS = 8
-RANK = 3                     # a middle rank: its slices start inside tensors, not on chunk cuts
+RANK = 3                     # a middle rank: its slices start inside tensors, not on chunk cuts (--rank)
 CASES = ("weights", "stage", "slice", "full")
 FORMATS = ("safetensors", "pt")
 CHUNK = 4 * MiB              # the default chunk size (the configs here keep it)
@@ -152,14 +152,15 @@ def declared(case: str, names: list[str]) -> list[str]:
     return ["*"]
 
 
-def rows(shape: list[int]) -> tuple[int, int]:
+def rows(shape: list[int], rank: int) -> tuple[int, int]:
     per = shape[0] // RANKS
-    return RANK * per, (RANK + 1) * per
+    return rank * per, (rank + 1) * per
 
 
-def _child(fmt: str, case: str, path: str, declare: str = "") -> dict[str, Any]:
+def _child(fmt: str, case: str, path: str, rank: int = RANK, declare: str = "") -> dict[str, Any]:
     """Read the case's part; report what was asked: [name, first row, end row] (rows None = whole).
-    `declare`: tensor-name globs (lines) declared to the mount first, inside the timing."""
+    `rank`: the slice case's rank; `declare`: tensor-name globs (lines) declared to the mount first,
+    inside the timing."""
     import torch
 
     note = drop_caches()
@@ -178,7 +179,7 @@ def _child(fmt: str, case: str, path: str, declare: str = "") -> dict[str, Any]:
                     sl = f.get_slice(name)
                     shape = sl.get_shape()
                     if len(shape) == 2:
-                        r0, r1 = rows(shape)
+                        r0, r1 = rows(shape, rank)
                         t = sl[r0:r1]
                         got.append([name, r0, r1])
                     else:
@@ -194,7 +195,7 @@ def _child(fmt: str, case: str, path: str, declare: str = "") -> dict[str, Any]:
         for name in wanted(case, list(flat)):
             t = flat[name]
             if case == "slice" and t.dim() == 2:
-                r0, r1 = rows(list(t.shape))
+                r0, r1 = rows(list(t.shape), rank)
                 t = t[r0:r1]
                 got.append([name, r0, r1])
             else:
@@ -302,8 +303,9 @@ def write_config(folder: Path, latency: str | None, bandwidth: str | None) -> Pa
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["child"]:           # python -m benchmarks.bench_partial child FORMAT CASE PATH [DECLARE]
-        print(json.dumps(_child(*argv[1:5])))
+    if argv[:1] == ["child"]:           # python -m benchmarks.bench_partial child FORMAT CASE PATH RANK [DECLARE]
+        fmt, case, path, rank, *declare = argv[1:6]
+        print(json.dumps(_child(fmt, case, path, int(rank), *declare)))
         return 0
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_partial", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=512 * MiB, help="checkpoint size (default 512MiB)")
@@ -314,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, help="where the temporary stores and mounts go (default /tmp)")
     p.add_argument("--declare", action="store_true",
                    help="also run the weights, stage and full cases with the reader declaring its tensors first")
+    p.add_argument("--rank", type=int, default=RANK, choices=range(RANKS),
+                   help=f"the slice case's rank of {RANKS} (default {RANK}; rank 0's slices start at tensor starts)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     try:
@@ -348,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
                 with mounted(cfg, mp, work / f"{fmt}-{case}{'-declared' if declare else ''}.log") as m:
                     before = stats(mp, cfg)
                     r = run_child([sys.executable, "-m", "benchmarks.bench_partial", "child", fmt, case,
-                                   str(mp / paths[fmt].name), declare], timeout=1800)
+                                   str(mp / paths[fmt].name), str(args.rank), declare], timeout=1800)
                     time.sleep(0.5)           # fetches the closing reader cancelled settle
                     after = stats(mp, cfg)
                 if m.problems:
