@@ -809,8 +809,12 @@ class FileReader:
             self._read_to_end(offset, end, chunks)
             # A zip header read says nothing of how the reader goes on and leaves the window as it is: a
             # loader reading headers and data in turn keeps its stream, and one that reads only headers
-            # (torch.load(mmap=True) does, in a file of its own) starts none.
-            if not header:
+            # (torch.load(mmap=True) does, in a file of its own) starts none. But a whole-tensor reader's
+            # reads from a header's page (this one may have shown it: it read a tensor to its end) are
+            # its reads of the record: torch.load's 1 MiB from there, the rest of the record in pages
+            # pushed to the kernel. Taken for header reads, they held the window at the tensor the
+            # reader had finished, and every record after it waited for a fetch of its own.
+            if not header or self.whole:
                 now = self._unit(offset)
                 before = self.prev_unit if before is not None else None
                 if before is not None and now is not None and now != before and end > now.offset + self.slack:

@@ -454,20 +454,20 @@ async def test_a_slice_reader_gets_its_slices_and_the_next_ones_ahead(autojump_c
     assert f.prefetch_wasted_bytes == 0 and f.prefetch_used_bytes >= 5 * CHUNK
 
 
-def cut_checkpoint(store: FakeStore, tensors: int = 8, length: int = 768 * 1024
+def cut_checkpoint(store: FakeStore, tensors: int = 8, length: int = 768 * 1024, first: int | None = None
                    ) -> tuple[Manifest, bytes, TensorIndex, list[int]]:
     """A torch-zip-like file cut as chunking cuts it with 1 MiB chunks: data.pkl, then `tensors` records
-    of `length` bytes, each after its zip local header (and the previous record's data descriptor), then
-    the zip directory. Also returns the local header offsets."""
+    of `length` bytes (the first of `first`, if given), each after its zip local header (and the previous
+    record's data descriptor), then the zip directory. Also returns the local header offsets."""
     chunk_size = 1024 * 1024
     records, headers, pos = [Record("archive/data.pkl", 64, 2000)], [], 2064
     for k in range(tensors):
         start = -(-(pos + 16 + 90) // 64) * 64       # descriptor, header; torch aligns data to 64 bytes
         headers.append(pos + 16)
-        records.append(Record(f"archive/data/{k}", start, length))
-        pos = start + length
+        records.append(Record(f"archive/data/{k}", start, first if k == 0 and first else length))
+        pos = start + records[-1].length
     size = pos + 16 + 1000
-    ts = tuple(TensorEntry(f"t{k}", "float32", (length // 4,), (1,), str(k), r.offset, length)
+    ts = tuple(TensorEntry(f"t{k}", "float32", (r.length // 4,), (1,), str(k), r.offset, r.length)
                for k, r in enumerate(records[1:]))
     index = TensorIndex("torch-zip", tuple(records), ts, file_size=size, directory_offset=pos + 16)
     data = random.Random(0).randbytes(size)
@@ -536,6 +536,40 @@ async def test_a_loader_reading_headers_and_data_in_file_order_is_one_stream(aut
     serial = len(m.chunks) * 0.008
     print(f"headers and data in file order: {elapsed / serial:.2f} of serial, {f}")
     assert f.pattern == "stream" and f.demand_fetches <= 8 and elapsed < serial / 3
+
+
+async def test_a_whole_tensor_reader_whose_reads_start_at_record_headers_keeps_its_window(autojump_clock):
+    """torch.load reads each storage whole: the kernel asks for 1 MiB from the page of the record's zip
+    header, and the rest of the record is in pages the daemon pushed. After a big first tensor (an
+    embedding), the reads that reach the daemon start at header pages; the first of them reads that
+    tensor to its end, which shows a whole-tensor reader, and from then on such reads move the stream:
+    the records after it are fetched ahead. Before, header reads left the window held at the first
+    tensor's end, and the next 12 records waited 8 ms each for a fetch of their own (a 988 MiB
+    checkpoint over remote-like stores: five serial fetches of ~11 ms after its embedding)."""
+    store = FakeStore(latency=0.008)
+    m, data, index, headers = cut_checkpoint(store, tensors=40, first=16 * 1024 * 1024 + 4096)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(256 * CHUNK), store.fetch, config(max=256 * CHUNK), on_chunk=kernel.push)
+    first = index.records[1]
+    waited: list[float] = []
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        await trio.sleep(1)
+        reads = [(off, 1024 * 1024) for off in range(headers[0] // PAGE * PAGE, first.offset + first.length - PAGE,
+                                                     1024 * 1024)]
+        reads += [(h // PAGE * PAGE, 1024 * 1024) for h in headers[1:]]
+        for off, size in reads:
+            t0 = trio.current_time()
+            assert await kernel.read(reader, off, size) == data[off:off + size]
+            waited.append(trio.current_time() - t0)
+            await trio.sleep(0.002)                     # the loader's copy of a record from the page cache
+        await reader.aclose()
+    assert reader.whole
+    got = fetched(store, m)
+    assert len(got) == len(set(got))                    # each chunk once
+    late = waited[len(waited) // 3:]
+    print(f"waits: {sum(waited) * 1000:.0f} ms in all, {sum(late) * 1000:.0f} ms after the first third")
+    assert sum(late) == 0
 
 
 async def test_demand_reads_do_not_queue_behind_prefetch(autojump_clock):
