@@ -22,7 +22,8 @@ also followed in file order, for `cat`). Without an index the plan is file order
   into the data extends the stream with its next read). torch.load(mmap=True) reads every record's
   header through a file of its own, and nothing else there: taken for a stream or for landings, those
   reads fetched the tensors behind the headers. chunking.py cuts records so that such a read fetches
-  one small chunk.
+  one small chunk. Once the reader has shown that it reads whole tensors, such a read moves its stream
+  (it is torch.load's read of the record from the header's page) but is still never a landing.
 - A read that jumps ends the stream. If it covers a tensor's start (the kernel reads around a page
   fault), the rest of that tensor is fetched at once, in parallel, unless the reader has shown that it
   reads parts of tensors. A landing inside a tensor is judged by the next read: if that one goes on to
