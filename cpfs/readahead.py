@@ -14,7 +14,9 @@ also followed in file order, for `cat`). Without an index the plan is file order
   order) extends a *stream*: a window along the plan that grows with what the stream has read:
   `readahead.initial` (at most two chunks from the head, one after a jump), then 1/4 of the run, up to
   `readahead.max`. A reader that stops therefore leaves at most that or a quarter of what it read
-  fetched and unread. The window
+  fetched and unread. (A stream from the head, until the reader has shown how it reads tensors, gets
+  the whole run: a loader's first tensor is often its biggest, an embedding, and a reader that stops in
+  it leaves at most as much as it read.) The window
   crosses into the next tensor only once the reader has shown it reads whole tensors (it went on from
   one tensor into the next beyond the kernel's readahead, or read a tensor of several chunks to its end).
 - A read that starts at a torch record's zip local header (less than HEADER_REACH before its data) is
@@ -825,7 +827,11 @@ class FileReader:
                 # A reader that stops leaves at most the first window unread: two chunks at most.
                 # Two chunks for a stream from the head (a loader reading from the start), else one.
                 first = min(self.initial, (2 if self.from_head and self.whole is not False else 1) * self.m.chunk_size)
-                self.window = min(self.max_window, max(first, self.run // 4))
+                # From the head, until the reader shows how it reads tensors, the window doubles with the
+                # run (limited to the tensor it is in): a loader's first tensor is often its biggest (an
+                # embedding), and a quarter of the run kept 2-3 fetches in flight through it.
+                doubling = self.from_head and self.whole is None
+                self.window = min(self.max_window, max(first, self.run if doubling else self.run // 4))
                 self.limit = len(order)
                 if not self.whole and u is not None:    # into the next tensor only for whole-tensor readers
                     self.limit = max(pos[u.first], pos[u.last]) + 1

@@ -372,6 +372,39 @@ async def test_a_whole_file_reader_finds_the_window_filled_ahead_a_quarter_at_a_
     assert late == 0
 
 
+async def test_a_loader_from_the_head_gets_a_doubling_window_in_its_first_tensor(autojump_clock):
+    """A loader's first tensor is often its biggest (an embedding). From the head, until the reader shows
+    how it reads tensors, the window is all it has read, not a quarter: the reader (1 ms per chunk,
+    fetches of 8 ms) stops waiting after 8 chunks, not 32. A reader that stops in that tensor leaves at
+    most as much as it read fetched and unused."""
+    async def load(stop: int) -> tuple[list[float], list[int], int]:
+        """Read the first tensor's first `stop` chunks: waits, chunks fetched, how many at open."""
+        store = FakeStore(latency=0.008)
+        m, data, index = checkpoint(store, tensors=2, per=64)
+        kernel = Kernel(len(data))
+        sched = Scheduler(ChunkCache(256 * CHUNK), store.fetch, config(max=64 * CHUNK, read_ahead_kb=16),
+                          on_chunk=kernel.push)
+        waited = []
+        async with trio.open_nursery() as n:
+            reader = await sched.open(n, m, index)
+            await trio.sleep(1)
+            head = len(fetched(store, m))
+            for off in range(CHUNK, (1 + stop) * CHUNK, CHUNK):
+                t0 = trio.current_time()
+                assert await kernel.read(reader, off, CHUNK) == data[off:off + CHUNK]
+                waited.append(trio.current_time() - t0)
+                await trio.sleep(0.001)                     # the loader's copy of a chunk
+            await trio.sleep(0.1)
+            await reader.aclose()
+        return waited, fetched(store, m), head
+
+    waited, got, _ = await load(64)
+    print(f"waits in the first tensor: {[round(w * 1000) for w in waited]} ms")
+    assert len(got) == len(set(got)) and sum(waited[16:]) == 0
+    _, got, head = await load(8)                              # a reader that stops an eighth in
+    assert len(got) - head <= 2 * 8 + 2
+
+
 async def read_tensor(kernel: Kernel, reader, t: TensorEntry, lo: float = 0.0, hi: float = 1.0,
                       step: int = 16 * 1024) -> bytes:
     out = bytearray()
