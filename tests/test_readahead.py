@@ -375,8 +375,8 @@ async def test_a_whole_file_reader_finds_the_window_filled_ahead_a_quarter_at_a_
 async def test_a_loader_from_the_head_gets_a_doubling_window_in_its_first_tensor(autojump_clock):
     """A loader's first tensor is often its biggest (an embedding). From the head, until the reader shows
     how it reads tensors, the window is all it has read, not a quarter: the reader (1 ms per chunk,
-    fetches of 8 ms) stops waiting after 8 chunks, not 32. A reader that stops in that tensor leaves at
-    most as much as it read fetched and unused."""
+    fetches of 8 ms) waits for nothing after its 16th chunk of 64 (with a quarter, it waited up to the
+    40th). A reader that stops in that tensor leaves at most as much as it read fetched and unused."""
     async def load(stop: int) -> tuple[list[float], list[int], int]:
         """Read the first tensor's first `stop` chunks: waits, chunks fetched, how many at open."""
         store = FakeStore(latency=0.008)
