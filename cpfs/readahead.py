@@ -588,9 +588,9 @@ class FileReader:
             # Held: the chunk a quarter into the window and one more every quarter window after it (the
             # reader's arrival at each moves the window), and, when the reader reads parts of tensors,
             # the tensor's last (a whole-tensor reader shows).
-            first = self.marker is None and 4 * dist >= self.window
+            first_mark = self.marker is None and 4 * dist >= self.window
             more = self.marker is not None and 4 * (pref[self.cursor] - self.mark_at) >= self.window
-            hold = first or more or (not self.whole and self.cursor == stop - 1)
+            hold = first_mark or more or (not self.whole and self.cursor == stop - 1)
             if not self._take(i, hold=hold):
                 if not self.sched.cache.reserve(size):
                     break
@@ -602,7 +602,7 @@ class FileReader:
                 self.marker = i
             elif more:
                 self.marks.add(i)
-            if first or more:
+            if first_mark or more:
                 self.mark_at = pref[self.cursor]
             self.cursor += 1
 
