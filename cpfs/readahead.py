@@ -445,7 +445,6 @@ class FileReader:
         self.m = manifest
         self.index = index
         self.inode = inode
-        self.direct = direct
         cfg = sched.config
         self.layout = layout_for(manifest, index)
         plan = list(self.layout.plan)
@@ -500,7 +499,10 @@ class FileReader:
         # counters
         self.reads = self.read_bytes = self.lost_read_bytes = self.fetched = self.demand = 0
         self.prefetched = self.used = self.wasted = 0
-        self.feeder = sched.feeder(inode, manifest)
+        # An O_DIRECT open neither reads the kernel's pages nor leaves its replies there: it gets no
+        # feeder. With one, its reads of pages the kernel holds looked like pages the kernel dropped
+        # (the file was pushed all over again), and chunks with the kernel looked fetched (no prefetch).
+        self.feeder = None if direct else sched.feeder(inode, manifest)
         self.closed = False
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
@@ -1003,7 +1005,7 @@ class FileReader:
         self.sched._reads += 1
         self.sched._read_bytes += end - offset
         self.sched._last_read = trio.current_time()      # and after it, should it have waited long
-        if self.feeder is not None and not self.direct:
+        if self.feeder is not None:
             self.feeder.replied(offset, end)    # the reply fills the kernel's pages: push them no more
         pieces = []
         for data, base, i in zip(datas, bases, chunks):

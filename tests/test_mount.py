@@ -134,6 +134,35 @@ def test_o_direct_reads_and_buffered_reads_after_them_are_byte_exact(imported, s
         assert (m.path / rel).read_bytes() == want, rel
 
 
+def test_an_o_direct_reader_after_a_buffered_one_is_served_without_pushing_the_file_again(make_config, tmp_path,
+                                                                                            mount):
+    """Once a buffered read put a file in the kernel's page cache, an O_DIRECT reader's reads still come
+    to the daemon (they bypass those pages): served byte-exact from chunks fetched ahead of it, with
+    nothing counted as pages the kernel dropped and nothing pushed to the kernel again."""
+    import json
+
+    from cpfs.pagecache import RACE
+
+    src = tmp_path / "big.bin"
+    src.write_bytes(random.Random(7).randbytes(12 * 1024 * 1024 + 4321))
+    cfg = make_config()
+    cpfs("put", str(src), "/big.bin", config=cfg)
+    m = mount(cfg)
+    want = src.read_bytes()
+    assert (m.path / "big.bin").read_bytes() == want
+    time.sleep(RACE + 0.2)                  # the pushes are old: a read of their pages now means a drop
+    before = json.loads((m.path / ".cpfs-stats").read_bytes())
+    dd = subprocess.run(["dd", f"if={m.path / 'big.bin'}", "iflag=direct", "bs=256K", "status=none"],
+                        capture_output=True, check=True)
+    assert dd.stdout == want
+    after = json.loads((m.path / ".cpfs-stats").read_bytes())
+    direct = after["scheduler"]["files"][-1]
+    assert direct["read_bytes"] == len(want) and direct["lost_read_bytes"] == 0
+    assert direct["fetched_bytes"] <= len(want) + 1024 * 1024 and direct["demand_fetches"] <= 3
+    assert after["scheduler"]["kernel_drops"] == before["scheduler"]["kernel_drops"] == 0
+    assert after["pushes"]["pieces"] == before["pushes"]["pieces"]
+
+
 def test_safetensors_random_tensors(imported_any, mount):
     from safetensors import safe_open
 

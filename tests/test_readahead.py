@@ -837,3 +837,37 @@ async def test_a_reply_takes_its_pages_out_of_queued_pushes_but_not_a_reply_to_a
         assert bytes(await buffered.read(7 * CHUNK, CHUNK + 99)) == data[7 * CHUNK:]
         await buffered.aclose()
     assert told == [(3, CHUNK + 4096, 3 * CHUNK), (3, 7 * CHUNK, 8 * CHUNK)]
+
+
+async def test_an_o_direct_reader_of_a_file_the_kernel_holds_gets_a_stream_and_leaves_the_pushes_alone(autojump_clock):
+    """O_DIRECT reads bypass the kernel's pages: they come to the daemon although every page of the file
+    was pushed long ago. They are not pages the kernel dropped (the file is not pushed again, nothing
+    is counted lost), and the chunks the kernel holds are fetched for this reader, ahead of it and in
+    parallel, each once."""
+    store = FakeStore(latency=0.008)
+    m, data = make_file(store, 32)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=8 * CHUNK), on_chunk=kernel.push)
+    async with trio.open_nursery() as n:
+        buffered = await sched.open(n, m, None, inode=3)
+        out = bytearray()
+        for off in range(0, m.size, 16 * 1024):
+            out += await kernel.read(buffered, off, 16 * 1024)
+        assert bytes(out) == data
+        await buffered.aclose()
+        await trio.sleep(RACE + 1)
+        assert len(kernel.pages) * Kernel.PAGE == m.size and sched.cache.statistics().used == 0
+        pushed, store.log, store.peak = sched.statistics().pushed, [], 0
+
+        direct = await sched.open(n, m, None, inode=3, direct=True)
+        t0 = trio.current_time()
+        assert await read_all(direct, m.size, step=CHUNK // 4) == data     # dd iflag=direct bs=1M, 4 MiB chunks
+        took = trio.current_time() - t0
+        st = direct.statistics()
+        await direct.aclose()
+    assert st.lost_read_bytes == 0 and sched.statistics().kernel_drops == 0
+    assert sched.statistics().pushed == pushed, "an O_DIRECT reader pushes nothing: its reads do not fill the page cache"
+    assert sorted(fetched(store, m)) == list(range(32)), "each chunk fetched once"
+    print(f"peak {store.peak} demand {st.demand_fetches} took {took:.3f} s")
+    assert store.peak >= 4 and st.demand_fetches <= 8 and took < 32 * store.latency / 2
+    assert sched.cache.statistics().pinned == 0
