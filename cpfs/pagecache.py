@@ -14,9 +14,12 @@ fadvise), the feeder forgets every push of the file, so the readahead fetches an
 instead of taking the chunks for the kernel's (the daemon dropped its own copies) and fetching each
 on demand, one at a time. A few pages dropped here and there are read on demand, from the blocks
 around them when the manifest has block checks (cpfs/chunk.py), else with their chunk: pushing the
-rest of the file again for them cost a warm load more than the pages did. A push
-completes while the kernel's read of the same pages may already be on its way to us, so only a push
-older than RACE counts (a drop between two loads is seconds old).
+rest of the file again for them cost a warm load more than the pages did. The kernel asks for a
+page it holds only after dropping it: a read sent before a push of the same pages holds them locked,
+and the push (notify_store) waits for the read's reply, so it cannot complete first. So a push counts
+from RACE after it completed (a margin, not a measured race: cold loads of 512 MiB with no margin at
+all counted no such read), and pages the host takes within the first second are seen as dropped too:
+this VM's host pages out untouched file pages (DAMON) while a loader is still on its way to them.
 
 Pushes are submitted, not awaited: `push` queues a piece and calls back when the kernel has it (the
 Pusher below sends queued pieces from worker threads, many per thread call). A task and an event
@@ -39,7 +42,7 @@ from .manifest import Manifest
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-RACE = 1.0      # seconds: a read of pages pushed more recently may have been sent before the push
+RACE = 0.05     # seconds after a push completes from which a read of its pages means they were dropped
 STRETCH = 1 << 20  # lost reads adding up to this, each near the last: the kernel dropped a stretch
 Done = Callable[[OSError | None], None]
 # push(inode, file offset, data, done): queue a piece for the kernel page cache; done(None) once it is
@@ -179,8 +182,13 @@ class PageFeeder:
     def lost_chunk(self, i: int, ever: bool = False) -> bool:
         """Whether the kernel was given chunk i's interior over RACE ago: a read of it now means the
         kernel dropped some of those pages (FileReader.read then fetches just the blocks around them)."""
+        age = self.pushed_ago(i, ever)
+        return age is not None and age >= RACE
+
+    def pushed_ago(self, i: int, ever: bool = False) -> float | None:
+        """Seconds since chunk i's interior went to the kernel (`ever`: also before a `forget`), or None."""
         at = (self.first_done_at if ever else self.done_at).get(i)
-        return at is not None and trio.current_time() - at >= RACE
+        return None if at is None else trio.current_time() - at
 
     def dropped_stretch(self, offset: int, end: int) -> bool:
         """Count a read that `lost` flagged; whether the reads of dropped pages, each within STRETCH

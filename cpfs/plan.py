@@ -50,6 +50,7 @@ from .tensor_index import TensorIndex
 log = logging.getLogger(__name__)
 
 XATTR = "user.cpfs.prefetch"
+STALE = 1.0        # seconds: a plan set again pushes again what went to the kernel this long ago (Plan.run)
 KEPT = 64          # finished plans whose figures stay readable (the attribute, `cpfs stats`)
 HEADER_CHUNK_MAX = 4 * (LEAD + TAIL)    # a chunk this small holding a zip header comes with any torch plan
 
@@ -160,7 +161,7 @@ class Plan:
     async def run(self) -> None:
         """Fetch the chunks in loader order; each is pinned until the kernel holds it (or, without a
         page-cache feeder, until fetched), so at most fetch_concurrency are in the daemon at once.
-        A chunk pushed before is skipped, unless its push is over RACE old and the daemon still holds
+        A chunk pushed before is skipped, unless its push is over STALE old and the daemon still holds
         it (a declared chunk stays cached): the kernel may have dropped its pages since without a word
         (this VM's host reclaims untouched pages in seconds), and an earlier plan of the same tensors
         then pushed nothing, so the loader faulted each page in on demand. Pushing the cached bytes
@@ -173,7 +174,8 @@ class Plan:
                     for i in self.chunks:
                         again = False
                         if feeder is not None and i in feeder.sent:
-                            again = feeder.lost_chunk(i) and self.m.chunks[i].digest in self.sched.cache
+                            age = feeder.pushed_ago(i)
+                            again = age is not None and age >= STALE and self.m.chunks[i].digest in self.sched.cache
                             if not again:
                                 self._in_kernel += 1
                                 continue

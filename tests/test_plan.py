@@ -8,8 +8,7 @@ import trio
 import trio.testing
 
 from cpfs.cache import ChunkCache
-from cpfs.pagecache import RACE
-from cpfs.plan import Plan, PlanError, chunks_for, parse_patterns
+from cpfs.plan import STALE, Plan, PlanError, chunks_for, parse_patterns
 from cpfs.readahead import PAGE, Scheduler
 from cpfs.tensor_index import EOCD_SEARCH
 from test_readahead import CHUNK, FakeStore, Kernel, checkpoint, config, cut_checkpoint, fetched, make_file
@@ -113,7 +112,7 @@ async def test_a_plan_declared_again_after_the_kernel_dropped_its_pages_pushes_t
     """A loader declares the same tensors again (a restarted rank on the node) after the kernel dropped
     their pages without a word (memory pressure; this VM's host reclaims untouched pages). The feeder
     still takes them for the kernel's; the chunks the daemon kept cached (declared ones are) go to the
-    kernel again, without a fetch. A plan right after a push (under RACE) trusts the kernel."""
+    kernel again, without a fetch. A plan right after a push (under STALE) trusts the kernel."""
     store = FakeStore(latency=0.008)
     m, data, index = checkpoint(store, tensors=4, per=4)
     kernel = Kernel(len(data))
@@ -126,7 +125,7 @@ async def test_a_plan_declared_again_after_the_kernel_dropped_its_pages_pushes_t
         soon = Plan(sched, 7, m, index, ("t1",))
         await soon.run()
         assert (soon.statistics().in_kernel_chunks, soon.statistics().pushed_again_chunks) == (len(first.chunks), 0)
-        await trio.sleep(2 * RACE)
+        await trio.sleep(2 * STALE)
         kernel.pages.clear()                                # dropped, unseen by the daemon
         fetches = len(store.log)
         again = Plan(sched, 7, m, index, ("t1",))

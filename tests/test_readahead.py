@@ -818,6 +818,39 @@ async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks
             n.cancel_scope.cancel()
 
 
+async def test_a_page_lost_in_the_first_second_after_its_push_is_a_lost_page(autojump_clock):
+    """This VM's host pages out untouched file pages within a second of their push, while the loader is
+    on its way to them. The kernel asks for a page it holds only after dropping it (a read sent before
+    the push holds the pages locked, and the push waits for it), so such a read is a drop from RACE
+    after the push on: counted lost and served from the blocks around it, not a whole chunk fetched."""
+    store = BlockStore()
+    big = 4 * BLOCK
+    data = random.Random(6).randbytes(4 * big)
+    chunks = []
+    for i in range(4):
+        piece = data[i * big:(i + 1) * big]
+        store.blobs[chunk_hash(piece)] = piece
+        chunks.append(ChunkEntry(chunk_hash(piece), big, big, "raw", ("s",)))
+    m = Manifest("/f", len(data), 0, 0o644, big, tuple(chunks), 1)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * big), store.fetch, config(cache="64MiB", max=4 * big),
+                      on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, None, inode=3)
+        for o in range(0, len(data), 64 * 1024):
+            assert await kernel.read(reader, o, 64 * 1024) == data[o:o + 64 * 1024]
+        await trio.sleep(0.3)
+        assert len(kernel.pages) == len(data) // Kernel.PAGE and sched.cache.statistics().used == 0
+        store.log.clear()
+        off = 2 * big + BLOCK + 5 * Kernel.PAGE
+        kernel.pages.discard(off // Kernel.PAGE)
+        assert await kernel.read(reader, off, 100) == data[off:off + 100]
+        assert reader.statistics().lost_read_bytes == Kernel.PAGE
+        assert [ev for _, ev, _ in store.log] == ["blocks"]
+        await reader.aclose()
+        n.cancel_scope.cancel()
+
+
 async def test_a_reply_takes_its_pages_out_of_queued_pushes_but_not_a_reply_to_an_o_direct_open(autojump_clock):
     """A buffered read's reply fills the kernel's pages (Pusher.replied leaves them out of pushes still
     queued); an O_DIRECT open's does not, so its reads must not take anything out."""
