@@ -1,6 +1,7 @@
 """Reads through a real mount under stress: four threads on one imported file, each a seeded random mix
 of preads (4 KiB to 3 MiB), sequential runs that start streams (and pushes into the page cache), pages
-dropped with fadvise and read again, mmap reads and pauses, with a daemon cache smaller than the file.
+dropped with fadvise and read again, mmap reads and pauses, and a fifth reading it through an O_DIRECT
+open, with a daemon cache smaller than the file.
 Every read must equal the source's bytes. Dropped pages of pushed chunks come back as lost pages, read
 from their blocks (StorePool.fetch_blocks) when the cache let their chunk go: the test requires that
 path taken, and every block read that fell back to the whole chunk to be one that took longer than
@@ -57,6 +58,32 @@ def reader(path: Path, data: bytes, seed: int, errors: list[BaseException]) -> N
         errors.append(e)
 
 
+def direct_reader(path: Path, data: bytes, seed: int, errors: list[BaseException]) -> None:
+    """An O_DIRECT open beside the others: its reads bypass the page cache they fill and drop, so
+    each comes to the daemon, scattered or in sequential runs (a stream of its own)."""
+    rng, size = random.Random(seed), len(data)
+    buf = mmap.mmap(-1, 3 * MiB)                              # page-aligned, as O_DIRECT wants
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for step in range(150):
+                if rng.random() < 0.5:
+                    offset, n = rng.randrange(size // PAGE) * PAGE, rng.choice([PAGE, 65536, MiB, 3 * MiB])
+                    runs = [(offset, n)]
+                else:
+                    start = rng.randrange(size // MiB) * MiB
+                    runs = [(o, MiB) for o in range(start, min(size, start + rng.randint(1, 24) * MiB), MiB)]
+                for offset, n in runs:
+                    got = os.preadv(fd, [memoryview(buf)[:n]], offset)
+                    assert buf[:got] == data[offset:offset + n], (seed, step, offset, n)
+        finally:
+            os.close(fd)
+    except BaseException as e:
+        errors.append(e)
+    finally:
+        buf.close()
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_concurrent_random_reads_and_lost_pages_through_a_mount_give_the_source_bytes(
         make_config, mount, tmp_path: Path, seed: int) -> None:
@@ -69,6 +96,7 @@ def test_concurrent_random_reads_and_lost_pages_through_a_mount_give_the_source_
     errors: list[BaseException] = []
     threads = [threading.Thread(target=reader, args=(m.path / "d.bin", data, seed * 100 + k, errors))
                for k in range(4)]
+    threads.append(threading.Thread(target=direct_reader, args=(m.path / "d.bin", data, seed * 100 + 4, errors)))
     for t in threads:
         t.start()
     for t in threads:
