@@ -768,6 +768,17 @@ class BlockStore(FakeStore):
         return lo, self.blobs[entry.digest][lo:hi]
 
 
+def _block_file(store: BlockStore, n: int, size: int, seed: int) -> tuple[Manifest, bytes]:
+    """A file of n raw chunks of `size` random bytes, each held by `store` (as store "s")."""
+    data = random.Random(seed).randbytes(n * size)
+    chunks = []
+    for i in range(n):
+        piece = data[i * size:(i + 1) * size]
+        store.blobs[chunk_hash(piece)] = piece
+        chunks.append(ChunkEntry(chunk_hash(piece), size, size, "raw", ("s",)))
+    return Manifest("/f", len(data), 0, 0o644, size, tuple(chunks), 1), data
+
+
 async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks_cached_once_idle(autojump_clock):
     """A page the kernel was given and lost (a host reclaiming cold pages) costs the reader the blocks
     around it, not its chunk; once no read has come for REFILL_IDLE, the chunk is loaded into the cache,
@@ -775,13 +786,7 @@ async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks
     for blocks in (True, False):
         store = BlockStore(blocks=blocks)
         big = 4 * BLOCK
-        data = random.Random(5).randbytes(6 * big)
-        chunks = []
-        for i in range(6):
-            piece = data[i * big:(i + 1) * big]
-            store.blobs[chunk_hash(piece)] = piece
-            chunks.append(ChunkEntry(chunk_hash(piece), big, big, "raw", ("s",)))
-        m = Manifest("/f", len(data), 0, 0o644, big, tuple(chunks), 1)
+        m, data = _block_file(store, 6, big, seed=5)
         kernel = Kernel(len(data))
         sched = Scheduler(ChunkCache(64 * big), store.fetch, config(cache="64MiB", max=2 * big),
                           on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
@@ -825,13 +830,7 @@ async def test_a_page_lost_in_the_first_second_after_its_push_is_a_lost_page(aut
     after the push on: counted lost and served from the blocks around it, not a whole chunk fetched."""
     store = BlockStore()
     big = 4 * BLOCK
-    data = random.Random(6).randbytes(4 * big)
-    chunks = []
-    for i in range(4):
-        piece = data[i * big:(i + 1) * big]
-        store.blobs[chunk_hash(piece)] = piece
-        chunks.append(ChunkEntry(chunk_hash(piece), big, big, "raw", ("s",)))
-    m = Manifest("/f", len(data), 0, 0o644, big, tuple(chunks), 1)
+    m, data = _block_file(store, 4, big, seed=6)
     kernel = Kernel(len(data))
     sched = Scheduler(ChunkCache(64 * big), store.fetch, config(cache="64MiB", max=4 * big),
                       on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
