@@ -150,9 +150,12 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     finally:
         pyfuse3.close(unmount=True)
         remove_staging(staging)
-        log.info("unmounted %s; cache %s; scheduler %s; read buffers %s; encode buffers %s; page cache pushes %s",
-                 mountpoint, cache.statistics(), sched.statistics(), buffers.POOL.statistics(),
-                 ENCODE_POOL.statistics(), pusher.statistics() if pusher else None)
+        # The stores' figures too: a load that was slow with nothing odd in the scheduler's (a stall in
+        # one run of a benchmark) shows here which store answered late, and whether reads were hedged.
+        log.info("unmounted %s; cache %s; scheduler %s; read buffers %s; encode buffers %s; page cache pushes %s; "
+                 "stores %s; replicas %s", mountpoint, cache.statistics(), sched.statistics(),
+                 buffers.POOL.statistics(), ENCODE_POOL.statistics(), pusher.statistics() if pusher else None,
+                 pool.statistics(), pool.replica_statistics())
 
 
 # Staging. The staging folder may be shared (/scratch, a folder beside other tools' data): cpfs works in

@@ -65,6 +65,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
                                 "Median latency of the store's recent reads."),
     ("stores", "latency_p99"): ("cpfs_store_fetch_latency_p99_seconds", "gauge",
                                 "99th percentile latency of the store's recent reads."),
+    ("stores", "latency_max"): ("cpfs_store_fetch_latency_max_seconds", "gauge",
+                                "Slowest read the store answered since the mount started."),
     # cpfs.pool: per store health
     ("health", "up"): ("cpfs_store_up", "gauge", "1 if the store answers, 0 while it is marked down."),
     ("health", "failures_in_a_row"): ("cpfs_store_failures_in_a_row", "gauge",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -73,9 +74,11 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
                files=[{"path": "/f.bin", "read_bytes": 8 * MiB, "fetched_bytes": 4 * MiB}])
     now["pushes"] = {"pieces": 3, "thread_calls": 2, "failed": 0, "bytes": 2 * MiB, "replied_bytes": MiB // 2}
     now["stores"][0].update(latency_p50=0.004, latency_p99=0.02)
+    assert "max ms" not in render(now, before)
+    now["stores"][0].update(latency_max=0.75)
     text = render(now, before)
     assert "last 2.0 s: 4.0 MiB/s read from the mount, 2.0 MiB/s fetched from the stores" in text
-    assert "p50 ms" in text and "4.00" in text and "20.00" in text
+    assert "p50 ms" in text and "4.00" in text and "20.00" in text and "max ms" in text and "750.00" in text
     assert "3 used, 1 wasted" in text
     assert "0 chunks (2.0 MiB; 0.5 MiB left out, read replies gave them first) pushed" in text
     assert "file /f.bin: read_bytes 8.0 MiB, fetched_bytes 4.0 MiB" in text
@@ -180,3 +183,22 @@ def test_a_few_pages_the_kernel_dropped_are_read_from_their_blocks_not_the_whole
     finally:
         os.close(fd)
     assert (m.path / "f.bin").read_bytes() == data
+
+
+def test_the_unmount_log_line_gives_each_stores_figures_and_its_slowest_fetch(make_config, tmp_path: Path,
+                                                                             mount) -> None:
+    """The daemon's last line names what each store did (requests, bytes, p50/p99, the slowest fetch) and
+    the replica reads (hedges): a load that was slow once can be told from its log after the mount."""
+    m, data, _ = _read_through_a_mount(make_config, tmp_path, mount)
+    stores = json.loads(cpfs("stats", str(m.path), "--json", config=m.config).stdout)["stores"]
+    m.stop()
+    line = [ln for ln in m.log.read_text().splitlines() if " unmounted " in ln][-1]
+    assert "; replicas ReplicaStats(reads=" in line
+    fetched = 0
+    for s in stores:
+        figures = re.search(rf"StoreStats\(name='{re.escape(s['name'])}'.*?bytes_read=(\d+).*?latency_max=([0-9.e-]+)\)",
+                            line)
+        assert figures, (s["name"], line)
+        fetched += int(figures.group(1))
+        assert float(figures.group(2)) >= s["latency_p99"] > 0 or int(figures.group(1)) == 0
+    assert fetched >= len(data)

@@ -20,7 +20,9 @@ from cpfs.errors import ChunkUnavailable, ConfigError, NoSuchObject, StoreError,
 from cpfs.manifest import ChunkEntry
 from cpfs.placement import place
 from cpfs.pool import StorePool
-from cpfs.store import DirectoryStore, FaultyStore, Store, StoreWrapper, ThrottledStore, open_store, registry
+from cpfs.store import (DirectoryStore, FaultyStore, MeteredStore, Store, StoreWrapper, ThrottledStore, open_store,
+                        registry)
+from cpfs.store.metered import FETCH_SAMPLES
 from cpfs.store.directory import TMP_SUFFIX
 from tests.storekinds import STORE_FACTORIES
 
@@ -406,6 +408,26 @@ async def test_throttled_bandwidth_is_shared(tmp_path: Path, autojump_clock: tri
     t0 = trio.current_time()                     # the link is idle again: one get takes 1 s
     await one(0)
     assert done[-1] == pytest.approx(1.0, abs=0.01)
+
+
+async def test_metered_store_keeps_the_slowest_fetch_the_quantiles_forget(tmp_path: Path,
+                                                                         autojump_clock: trio.abc.Clock) -> None:
+    """A 5 s stall of one get and a 7 s one of a batch read, then a few hundred 1 ms fetches: the stalls have
+    left the p50/p99 window (and would be under its p99 anyway), but `latency_max` still shows the worst,
+    so a slow load can be told after the fact."""
+    link = ThrottledStore(await _filled(tmp_path, 2, 100), latency=5.0)
+    store = MeteredStore(link)
+    await store.get("k/0")
+    assert store.statistics().latency_max == pytest.approx(5.0, abs=1e-3)
+    link.latency = 7.0
+    got = await store.get_many_with([("k/0", bytes), ("k/1", bytes)], trio.CapacityLimiter(2))
+    assert got == [bytes([0]) * 100, bytes([1]) * 100]
+    link.latency = 0.001
+    for _ in range(FETCH_SAMPLES + 10):
+        await store.get("k/0")
+    st = store.statistics()
+    assert st.latency_p50 == pytest.approx(0.001, abs=1e-4) and st.latency_p99 == pytest.approx(0.001, abs=1e-4)
+    assert st.latency_max == pytest.approx(7.0, abs=1e-3)
 
 
 async def test_open_store_builds_the_stack(tmp_path: Path) -> None:

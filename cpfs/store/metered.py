@@ -35,6 +35,8 @@ class StoreStats:
     latency_ewma: float     # seconds, moving average over calls that answered
     latency_p50: float = 0.0   # seconds, median of the recent fetches that answered
     latency_p99: float = 0.0   # seconds, their 99th percentile
+    latency_max: float = 0.0   # seconds, the slowest fetch that answered since the start: one stall among
+                               # hundreds of reads shows here, not in the quantiles
 
 
 class _Request:
@@ -61,7 +63,7 @@ class _Request:
             elapsed = trio.current_time() - self._t0
             m.latency_ewma += EWMA_WEIGHT * (elapsed - m.latency_ewma)
             if self._fetch:
-                m._fetches.append(elapsed)
+                m._fetched(elapsed)
             if exc_type is not None:
                 m.errors += 1
         else:
@@ -74,7 +76,7 @@ class MeteredStore(StoreWrapper):
         self.requests = self.errors = self.cancelled = 0
         self.outstanding = self.peak_outstanding = 0
         self.bytes_read = self.bytes_written = 0
-        self.latency_ewma = 0.0
+        self.latency_ewma = self.latency_max = 0.0
         self._fetches: deque[float] = deque(maxlen=FETCH_SAMPLES)
 
     def statistics(self) -> StoreStats:
@@ -82,7 +84,12 @@ class MeteredStore(StoreWrapper):
                           outstanding=self.outstanding, peak_outstanding=self.peak_outstanding,
                           bytes_read=self.bytes_read, bytes_written=self.bytes_written,
                           latency_ewma=self.latency_ewma, latency_p50=self._quantile(0.5),
-                          latency_p99=self._quantile(0.99))
+                          latency_p99=self._quantile(0.99), latency_max=self.latency_max)
+
+    def _fetched(self, took: float) -> None:
+        """A fetch answered after `took` seconds (a batch's keys each count, with the batch's time)."""
+        self._fetches.append(took)
+        self.latency_max = max(self.latency_max, took)
 
     def _quantile(self, q: float) -> float:
         recent = sorted(self._fetches)
@@ -130,7 +137,7 @@ class MeteredStore(StoreWrapper):
         took = trio.current_time() - t0
         for r in results:
             self.latency_ewma += EWMA_WEIGHT * (took - self.latency_ewma)
-            self._fetches.append(took)
+            self._fetched(took)
             self.errors += isinstance(r, StoreError)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
