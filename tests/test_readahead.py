@@ -768,15 +768,20 @@ class BlockStore(FakeStore):
         return lo, self.blobs[entry.digest][lo:hi]
 
 
-def _block_file(store: BlockStore, n: int, size: int, seed: int) -> tuple[Manifest, bytes]:
-    """A file of n raw chunks of `size` random bytes, each held by `store` (as store "s")."""
+def _block_file(store: BlockStore, n: int, seed: int, window: int) -> tuple[Manifest, bytes, Kernel, Scheduler]:
+    """A file of n raw chunks of 4 blocks of random bytes, each held by `store` (as store "s"), and a
+    scheduler over `store` that pushes to a Kernel, reads blocks, and prefetches `window` chunks ahead."""
+    size = 4 * BLOCK
     data = random.Random(seed).randbytes(n * size)
     chunks = []
     for i in range(n):
         piece = data[i * size:(i + 1) * size]
         store.blobs[chunk_hash(piece)] = piece
         chunks.append(ChunkEntry(chunk_hash(piece), size, size, "raw", ("s",)))
-    return Manifest("/f", len(data), 0, 0o644, size, tuple(chunks), 1), data
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * size), store.fetch, config(cache="64MiB", max=window * size),
+                      on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
+    return Manifest("/f", len(data), 0, 0o644, size, tuple(chunks), 1), data, kernel, sched
 
 
 async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks_cached_once_idle(autojump_clock):
@@ -786,10 +791,7 @@ async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks
     for blocks in (True, False):
         store = BlockStore(blocks=blocks)
         big = 4 * BLOCK
-        m, data = _block_file(store, 6, big, seed=5)
-        kernel = Kernel(len(data))
-        sched = Scheduler(ChunkCache(64 * big), store.fetch, config(cache="64MiB", max=2 * big),
-                          on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
+        m, data, kernel, sched = _block_file(store, 6, seed=5, window=2)
         async with trio.open_nursery() as n:
             await n.start(sched.run)
             reader = await sched.open(n, m, None, inode=3)
@@ -830,10 +832,7 @@ async def test_a_page_lost_in_the_first_second_after_its_push_is_a_lost_page(aut
     after the push on: counted lost and served from the blocks around it, not a whole chunk fetched."""
     store = BlockStore()
     big = 4 * BLOCK
-    m, data = _block_file(store, 4, big, seed=6)
-    kernel = Kernel(len(data))
-    sched = Scheduler(ChunkCache(64 * big), store.fetch, config(cache="64MiB", max=4 * big),
-                      on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
+    m, data, kernel, sched = _block_file(store, 4, seed=6, window=4)
     async with trio.open_nursery() as n:
         reader = await sched.open(n, m, None, inode=3)
         for o in range(0, len(data), 64 * 1024):
