@@ -159,7 +159,8 @@ def test_an_o_direct_reader_after_a_buffered_one_is_served_without_pushing_the_f
     direct = after["scheduler"]["files"][-1]
     assert direct["read_bytes"] == len(want) and direct["lost_read_bytes"] == 0
     assert direct["fetched_bytes"] <= len(want) + 1024 * 1024 and direct["demand_fetches"] <= 3
-    assert after["scheduler"]["kernel_drops"] == before["scheduler"]["kernel_drops"] == 0
+    # (The buffered read may have seen a stretch the host took meanwhile: only the O_DIRECT reads must add none.)
+    assert after["scheduler"]["kernel_drops"] == before["scheduler"]["kernel_drops"]
     assert after["pushes"]["pieces"] == before["pushes"]["pieces"]
 
 
