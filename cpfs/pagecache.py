@@ -182,13 +182,13 @@ class PageFeeder:
     def lost_chunk(self, i: int, ever: bool = False) -> bool:
         """Whether the kernel was given chunk i's interior over RACE ago: a read of it now means the
         kernel dropped some of those pages (FileReader.read then fetches just the blocks around them)."""
-        age = self.pushed_ago(i, ever)
-        return age is not None and age >= RACE
+        return self.pushed_over(i, RACE, ever)
 
-    def pushed_ago(self, i: int, ever: bool = False) -> float | None:
-        """Seconds since chunk i's interior went to the kernel (`ever`: also before a `forget`), or None."""
+    def pushed_over(self, i: int, seconds: float, ever: bool = False) -> bool:
+        """Whether chunk i's interior went to the kernel at least `seconds` ago (`ever`: also before a
+        `forget`); False if it never went."""
         at = (self.first_done_at if ever else self.done_at).get(i)
-        return None if at is None else trio.current_time() - at
+        return at is not None and trio.current_time() - at >= seconds
 
     def dropped_stretch(self, offset: int, end: int) -> bool:
         """Count a read that `lost` flagged; whether the reads of dropped pages, each within STRETCH

@@ -174,8 +174,7 @@ class Plan:
                     for i in self.chunks:
                         again = False
                         if feeder is not None and i in feeder.sent:
-                            age = feeder.pushed_ago(i)
-                            again = age is not None and age >= STALE and self.m.chunks[i].digest in self.sched.cache
+                            again = feeder.pushed_over(i, STALE) and self.m.chunks[i].digest in self.sched.cache
                             if not again:
                                 self._in_kernel += 1
                                 continue

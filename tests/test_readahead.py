@@ -899,6 +899,5 @@ async def test_an_o_direct_reader_of_a_file_the_kernel_holds_gets_a_stream_and_l
     assert st.lost_read_bytes == 0 and sched.statistics().kernel_drops == 0
     assert sched.statistics().pushed == pushed, "an O_DIRECT reader pushes nothing: its reads do not fill the page cache"
     assert sorted(fetched(store, m)) == list(range(32)), "each chunk fetched once"
-    print(f"peak {store.peak} demand {st.demand_fetches} took {took:.3f} s")
     assert store.peak >= 4 and st.demand_fetches <= 8 and took < 32 * store.latency / 2
     assert sched.cache.statistics().pinned == 0
