@@ -53,7 +53,7 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BufferStats:
     buffers: int          # buffers the pool tracks
     bytes: int            # ... and their size
@@ -86,7 +86,8 @@ class BufferPool:
         self._idle = _refs([mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE)], 0)
 
     def statistics(self) -> BufferStats:
-        return BufferStats(sum(map(len, self._classes.values())), self._bytes, self._reused, self._allocated)
+        return BufferStats(buffers=sum(map(len, self._classes.values())), bytes=self._bytes, reused=self._reused,
+                           allocated=self._allocated)
 
     def take(self, size: int) -> mmap.mmap:
         """A page-aligned buffer of at least `size` bytes (see size_class), contents undefined; only

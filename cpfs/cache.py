@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import trio
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheStats:
     budget: int
     used: int            # bytes held by entries
@@ -58,8 +58,9 @@ class ChunkCache:
         self._hits = self._misses = self._joined = self._evictions = self._loaded = 0
 
     def statistics(self) -> CacheStats:
-        return CacheStats(self.budget, self._used, self._inflight, self._pinned, self._peak, self._hits,
-                          self._misses, self._joined, self._evictions, self._loaded)
+        return CacheStats(budget=self.budget, used=self._used, inflight=self._inflight, pinned=self._pinned,
+                          peak_used=self._peak, hits=self._hits, misses=self._misses, joined=self._joined,
+                          evictions=self._evictions, bytes_loaded=self._loaded)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries

@@ -147,7 +147,7 @@ class Unreadable:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CatalogStats:
     listings: int           # folder listings sent to stores
     fetched: int            # whole manifests read from stores

@@ -27,7 +27,7 @@ from .upload import Uploader, encode_span, in_parallel
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PutStats:
     files: int = 0
     logical_bytes: int = 0     # bytes of the imported files
@@ -52,7 +52,8 @@ class Importer:
     @property
     def stats(self) -> PutStats:
         up = self._uploader.statistics()
-        return PutStats(self._files, self._logical_bytes, up.new_raw_bytes, up.stored_bytes)
+        return PutStats(files=self._files, logical_bytes=self._logical_bytes, new_raw_bytes=up.new_raw_bytes,
+                        new_stored_bytes=up.stored_bytes)
 
     def _layout(self, fd: int, size: int, name: str) -> tuple[TensorIndex | None, list[int]]:
         """The file's tensor index and cut points (blocking)."""

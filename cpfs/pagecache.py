@@ -263,7 +263,7 @@ def _store_pieces(notify: Callable[[int, int, bytes | memoryview], None], pieces
             p.error = e
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PushStats:
     pieces: int           # pushes asked for
     thread_calls: int     # worker-thread calls that made them

@@ -107,7 +107,7 @@ def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[st
     return [i for i in layout.plan if i in wanted], len(matched)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanStats:
     path: str
     patterns: tuple[str, ...]

@@ -82,7 +82,7 @@ BACKGROUND_WRITES = 256      # ... and writes (manifests are small): beyond eith
 SHUTDOWN_GRACE = 10.0        # seconds background puts get when run() is cancelled, then abandoned
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaStats:
     reads: int                # replica reads started (first tries, fallbacks and hedges)
     fallbacks: int            # reads moved to the next replica because one failed

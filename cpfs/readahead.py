@@ -99,7 +99,7 @@ REFILL_IDLE = 0.25         # seconds without a read before chunks with lost page
 REFILL_QUEUE = 4096        # such chunks remembered at most
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FileStats:
     path: str
     inode: int
@@ -116,7 +116,7 @@ class FileStats:
     window: int                  # the stream window now
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerStats:
     open_files: int
     reads: int               # read requests served

@@ -58,7 +58,7 @@ PROBLEMS_MAX = 1000          # problems listed in a report (the counts stay exac
 PROBLEMS_SHOWN = 20          # ... of which the human summary prints
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScrubStats:
     """Counts so far (Scrubber.statistics()) or in the end (ScrubReport.stats)."""
     phase: str = "idle"              # idle, listing, manifests, chunks, done

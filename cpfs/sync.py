@@ -71,7 +71,7 @@ async def quorum(fn: Callable[[T], Awaitable[R]], items: Iterable[T], need: int,
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SingleFlightStats:
     in_flight: int       # keys with a call running
     calls: int           # calls made

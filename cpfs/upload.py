@@ -52,7 +52,7 @@ def encode_span(fd: int, offset: int, length: int, compression: str, name: str) 
     return chunkfmt.encode_framed(framed, compression)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UploadStats:
     chunks_new: int         # chunks put on at least one store that lacked them
     chunks_deduped: int     # chunks every target store (or an earlier call) held already

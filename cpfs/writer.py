@@ -83,7 +83,7 @@ _IO_THREADS = 4                    # default staging I/O limiter of a session
 ROOM_WAIT = 60.0                   # seconds a write waits for one write-behind step on a full staging disk
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriterStats:
     size: int                   # current file size
     bytes_written: int          # bytes passed to write()

@@ -53,7 +53,7 @@ def _matcher(keys: str | Callable[[str], bool]) -> Callable[[str], bool]:
     return keys if callable(keys) else (lambda key: fnmatch.fnmatchcase(key, keys))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FaultStats:
     requests: int        # requests that reached this wrapper
     errors: int          # transient errors injected (error_rate)

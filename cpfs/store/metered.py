@@ -22,7 +22,7 @@ EWMA_WEIGHT = 0.2       # weight of the newest latency sample
 FETCH_SAMPLES = 256     # recent fetch latencies (get, get_range and their _with) kept for statistics()' p50/p99
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StoreStats:
     name: str
     requests: int           # calls made
