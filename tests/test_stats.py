@@ -175,11 +175,10 @@ def test_a_few_pages_the_kernel_dropped_are_read_from_their_blocks_not_the_whole
         for off in holes:
             assert os.pread(fd, 4096, off + 8192) == data[off + 8192:off + 12288]
         fourth = scheduler()
-        # Served from the loaded chunks: no block read for these 4. Waiting for `refilled` alone was not
-        # enough: once in CI, chunks whose pages the host took during the first read were queued first, and
-        # made up the count. The host may take pages meanwhile too: each costs a read of its own, the
-        # block around it, and the load of its chunk once idle, which can come during `cpfs stats` (a run
-        # here: 2 such reads, 2 blocks and 1 chunk; CI: 3 more reads, 1.75 MiB, where 2 blocks were allowed).
+        # Served from the loaded chunks: no block read for these 4. (The loop above waits for the queue to
+        # empty, not only for `refilled`: chunks of pages the host took can make up that count.) A page the
+        # host takes meanwhile costs a read of its own, its block, and its chunk's load once idle, which can
+        # land during `cpfs stats`: 2 blocks and 1 MiB for 2 such reads in one run here.
         others = fourth["reads"] - third["reads"] - len(holes)
         assert fourth["block_fetches"] - third["block_fetches"] <= others, (third, fourth)
         assert fourth["fetched_bytes"] - third["fetched_bytes"] <= others * (2 * BLOCK + MiB), (third, fourth)
