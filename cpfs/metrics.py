@@ -51,7 +51,10 @@ Source = Callable[[], bytes | dict[str, Any]]    # a statistics document (stats.
 METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
     # cpfs.store.metered: per store
     ("stores", "requests"): ("cpfs_store_requests_total", "counter", "Requests sent to the store."),
-    ("stores", "errors"): ("cpfs_store_errors_total", "counter", "Requests the store answered with an error."),
+    ("stores", "errors"): ("cpfs_store_errors_total", "counter",
+                           "Requests that failed (an error other than 'no such object')."),
+    ("stores", "missing"): ("cpfs_store_missing_total", "counter",
+                            "Requests answered 'no such object' (dedup probes, replicas not yet written)."),
     ("stores", "cancelled"): ("cpfs_store_cancelled_total", "counter",
                               "Requests abandoned by their caller (timeouts, a hedge won, a reader gone)."),
     ("stores", "outstanding"): ("cpfs_store_requests_in_flight", "gauge", "Requests in flight to the store now."),
@@ -152,6 +155,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
                                 "Chunks with lost pages loaded into the cache once the mount was idle."),
     ("scheduler", "refill_queued"): ("cpfs_pagecache_lost_refill_queued", "gauge",
                                      "Chunks with lost pages waiting for the mount to be idle to be loaded."),
+    ("scheduler", "refill_skipped"): ("cpfs_pagecache_lost_refill_skipped_total", "counter",
+                                      "Chunks with lost pages not loaded: queue full, no cache room, fetch failed."),
     ("scheduler", "inflight"): ("cpfs_fetches_in_flight", "gauge", "Chunk fetches in flight now."),
     ("scheduler", "peak_inflight"): ("cpfs_fetches_in_flight_peak", "gauge", "Most chunk fetches in flight at once."),
     # cpfs.catalog

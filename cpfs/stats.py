@@ -62,13 +62,15 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     # Figures a layer may not report (yet): shown when the document has them.
     quantiles = all("latency_p50" in s and "latency_p99" in s for s in now["stores"]) and bool(now["stores"])
     slowest = quantiles and all("latency_max" in s for s in now["stores"])
-    lines = [f"{'store':<12} {'up':<3} {'requests':>9} {'errors':>7} {'in flight':>9} "
-             f"{'read MiB':>9} {'written MiB':>11} {'latency ms':>10}"
+    missing = all("missing" in s for s in now["stores"]) and bool(now["stores"])
+    lines = [f"{'store':<12} {'up':<3} {'requests':>9} {'errors':>7}" + (f" {'missing':>7}" if missing else "")
+             + f" {'in flight':>9} {'read MiB':>9} {'written MiB':>11} {'latency ms':>10}"
              + (f" {'p50 ms':>8} {'p99 ms':>8}" if quantiles else "") + (f" {'max ms':>9}" if slowest else "")
              + (f" {'read MiB/s':>10}" if dt else "")]
     for s in now["stores"]:
         line = (f"{s['name']:<12} {'yes' if up.get(s['name'], True) else 'NO':<3} {s['requests']:>9} "
-                f"{s['errors']:>7} {s['outstanding']:>9} {s['bytes_read'] / MiB:>9.1f} "
+                f"{s['errors']:>7}" + (f" {s['missing']:>7}" if missing else "")
+                + f" {s['outstanding']:>9} {s['bytes_read'] / MiB:>9.1f} "
                 f"{s['bytes_written'] / MiB:>11.1f} {s['latency_ewma'] * 1000:>10.2f}")
         if quantiles:
             line += f" {s['latency_p50'] * 1000:>8.2f} {s['latency_p99'] * 1000:>8.2f}"

@@ -79,6 +79,10 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     text = render(now, before)
     assert "last 2.0 s: 4.0 MiB/s read from the mount, 2.0 MiB/s fetched from the stores" in text
     assert "p50 ms" in text and "4.00" in text and "20.00" in text and "max ms" in text and "750.00" in text
+    assert "missing" not in text
+    now["stores"][0].update(missing=37)
+    header, row = render(now, before).splitlines()[:2]
+    assert header.split()[3:5] == ["errors", "missing"] and row.split()[3:5] == ["0", "37"]
     assert "3 used, 1 wasted" in text
     assert "0 chunks (2.0 MiB; 0.5 MiB left out, read replies gave them first) pushed" in text
     assert "file /f.bin: read_bytes 8.0 MiB, fetched_bytes 4.0 MiB" in text

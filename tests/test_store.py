@@ -430,6 +430,29 @@ async def test_metered_store_keeps_the_slowest_fetch_the_quantiles_forget(tmp_pa
     assert st.latency_max == pytest.approx(7.0, abs=1e-3)
 
 
+async def test_metered_store_counts_no_such_object_apart_from_failures(tmp_path: Path) -> None:
+    """A save probes every new chunk's key before its put, and a read may ask a replica not yet written:
+    "no such object" is an answer, counted in `missing`; only real failures (here a refused get, single
+    and in a batch) count as `errors`, which an operator alerts on."""
+    faulty = FaultyStore(await _filled(tmp_path, 2, 100))
+    store = MeteredStore(faulty)
+    for op in (store.get("absent"), store.head("absent"), store.stat("absent")):
+        with pytest.raises(NoSuchObject):
+            await op
+    got = await store.get_many_with([("k/0", bytes), ("absent", bytes)], trio.CapacityLimiter(2))
+    assert got[0] == bytes([0]) * 100 and isinstance(got[1], NoSuchObject)
+    st = store.statistics()
+    assert (st.requests, st.missing, st.errors) == (5, 4, 0)
+    faulty.refuse("get", "k/1")
+    with pytest.raises(StoreError) as refused:
+        await store.get("k/1")
+    assert not isinstance(refused.value, NoSuchObject)
+    got = await store.get_many_with([("k/0", bytes), ("k/1", bytes)], trio.CapacityLimiter(2))
+    assert got[0] == bytes([0]) * 100 and isinstance(got[1], StoreError)
+    st = store.statistics()
+    assert (st.requests, st.missing, st.errors) == (8, 4, 2)
+
+
 async def test_open_store_builds_the_stack(tmp_path: Path) -> None:
     """A [[store]] table gets its kind, wrapped in a ThrottledStore if it simulates a link and in a
     FaultyStore if a drill is on; plain tables get the bare kind."""

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import trio
 
-from ..errors import StoreError
+from ..errors import NoSuchObject, StoreError
 from .base import ObjectInfo, Sized, Store, StoreWrapper
 
 T = TypeVar("T")
@@ -26,7 +26,9 @@ FETCH_SAMPLES = 256     # recent fetch latencies (get, get_range and their _with
 class StoreStats:
     name: str
     requests: int           # calls made
-    errors: int             # calls that raised a StoreError (NoSuchObject included)
+    errors: int             # calls that failed with a StoreError other than NoSuchObject
+    missing: int            # calls answered "no such object": a dedup probe or a replica not yet written,
+                            # an answer rather than a failure, so a save's probes do not read as errors
     cancelled: int          # calls abandoned by their caller (timeouts, a reader gone)
     outstanding: int        # calls in flight now
     peak_outstanding: int
@@ -65,7 +67,7 @@ class _Request:
             if self._fetch:
                 m._fetched(elapsed)
             if exc_type is not None:
-                m.errors += 1
+                m._failed(exc_type)
         else:
             m.cancelled += 1
 
@@ -73,18 +75,25 @@ class _Request:
 class MeteredStore(StoreWrapper):
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)
-        self.requests = self.errors = self.cancelled = 0
+        self.requests = self.errors = self.missing = self.cancelled = 0
         self.outstanding = self.peak_outstanding = 0
         self.bytes_read = self.bytes_written = 0
         self.latency_ewma = self.latency_max = 0.0
         self._fetches: deque[float] = deque(maxlen=FETCH_SAMPLES)
 
     def statistics(self) -> StoreStats:
-        return StoreStats(name=self.name, requests=self.requests, errors=self.errors, cancelled=self.cancelled,
+        return StoreStats(name=self.name, requests=self.requests, errors=self.errors, missing=self.missing,
+                          cancelled=self.cancelled,
                           outstanding=self.outstanding, peak_outstanding=self.peak_outstanding,
                           bytes_read=self.bytes_read, bytes_written=self.bytes_written,
                           latency_ewma=self.latency_ewma, latency_p50=self._quantile(0.5),
                           latency_p99=self._quantile(0.99), latency_max=self.latency_max)
+
+    def _failed(self, kind: type[BaseException]) -> None:
+        if issubclass(kind, NoSuchObject):
+            self.missing += 1
+        else:
+            self.errors += 1
 
     def _fetched(self, took: float) -> None:
         """A fetch answered after `took` seconds (a batch's keys each count, with the batch's time)."""
@@ -138,7 +147,8 @@ class MeteredStore(StoreWrapper):
         for r in results:
             self.latency_ewma += EWMA_WEIGHT * (took - self.latency_ewma)
             self._fetched(took)
-            self.errors += isinstance(r, StoreError)
+            if isinstance(r, StoreError):
+                self._failed(type(r))
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         with _Request(self, fetch=True):
