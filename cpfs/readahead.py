@@ -136,6 +136,8 @@ class SchedulerStats:
     block_bytes: int = 0             # ... bytes those fetches brought (in fetched_bytes too)
     refilled: int = 0                # chunks of those loaded into the cache afterwards, when idle
     refill_queued: int = 0           # ... and waiting for the mount to be idle
+    refill_skipped: int = 0          # ... and given up: the queue overflowed, the cache had no room, the
+                                     # fetch failed (the reader had its bytes; only the later hits are lost)
     files: tuple[FileStats, ...] = ()
 
 
@@ -238,7 +240,7 @@ class Scheduler:
         self._to_refill: OrderedDict[str, tuple[Manifest, int]] = OrderedDict()   # see run()
         self._refill_wake = trio.Event()
         self._last_read = -math.inf
-        self._refilled = 0
+        self._refilled = self._refill_skipped = 0
         self._feeders: dict[tuple[int, int], PageFeeder] = {}
         self._declared: dict[tuple[int, int], frozenset[int]] = {}
         self._readers: set[FileReader] = set()
@@ -280,6 +282,7 @@ class Scheduler:
         self._to_refill[digest] = (manifest, i)
         while len(self._to_refill) > REFILL_QUEUE:
             self._to_refill.popitem(last=False)
+            self._refill_skipped += 1
         self._refill_wake.set()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -299,12 +302,16 @@ class Scheduler:
                 await trio.sleep(REFILL_IDLE - idle)
                 continue
             digest, (manifest, i) = self._to_refill.popitem(last=False)
-            if not self.cache.absent(digest) or not self.cache.room(manifest.chunks[i].raw_len):
+            if not self.cache.absent(digest):
+                continue                       # a reader loaded it meanwhile
+            if not self.cache.room(manifest.chunks[i].raw_len):
+                self._refill_skipped += 1
                 continue
             try:
                 await self.get_chunk(manifest, i, demand=False)
                 self._refilled += 1
             except Exception as e:             # logged by the store pool; the reader had its bytes
+                self._refill_skipped += 1
                 log.debug("refill of %s chunk %d failed: %s", manifest.path, i, e)
 
     def statistics(self) -> SchedulerStats:
@@ -318,7 +325,7 @@ class Scheduler:
             prefetched_bytes=self._prefetched, prefetch_used_bytes=self._used,
             prefetch_wasted_bytes=self._wasted, kernel_drops=drops, block_fetches=self._block_fetches,
             block_bytes=self._block_bytes, refilled=self._refilled, refill_queued=len(self._to_refill),
-            files=files)
+            refill_skipped=self._refill_skipped, files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
                    inode: int = 0, direct: bool = False) -> "FileReader":

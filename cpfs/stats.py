@@ -97,7 +97,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     if sc.get("block_fetches"):
         lines.append(f"pages the kernel lost: {sc['block_fetches']} reads served from {sc['block_bytes'] / MiB:.1f} "
                      f"MiB of their blocks; {sc.get('refilled', 0)} of their chunks loaded into the cache since, "
-                     f"{sc.get('refill_queued', 0)} waiting for the mount to be idle")
+                     f"{sc.get('refill_queued', 0)} waiting for the mount to be idle"
+                     + (f", {sc['refill_skipped']} given up" if sc.get("refill_skipped") else ""))
     if dt:
         fetched = sum(s["bytes_read"] for s in now["stores"]) - sum(s["bytes_read"] for s in before["stores"])
         read = sc["read_bytes"] - before["scheduler"]["read_bytes"]

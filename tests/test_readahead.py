@@ -825,6 +825,33 @@ async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks
             n.cancel_scope.cancel()
 
 
+async def test_a_lost_pages_chunk_that_cannot_be_loaded_is_counted_as_given_up(autojump_clock):
+    """The idle-time load of a chunk with lost pages is a bonus: the reader already had its bytes. When
+    it fails (here the store no longer has the chunk) it is counted in `refill_skipped`, the queue
+    empties, and the other chunk still loads: `refilled` + `refill_skipped` account for every chunk."""
+    store = BlockStore()
+    m, data, kernel, sched = _block_file(store, 6, seed=7, window=2)
+    async with trio.open_nursery() as n:
+        await n.start(sched.run)
+        reader = await sched.open(n, m, None, inode=3)
+        for off in range(0, len(data), 64 * 1024):
+            assert await kernel.read(reader, off, 64 * 1024) == data[off:off + 64 * 1024]
+        await trio.sleep(RACE + 0.1)
+        lost = [m.chunks[0].raw_len + 5 * Kernel.PAGE, 3 * m.chunks[0].raw_len + BLOCK]     # in chunks 1 and 3
+        kernel.pages -= {off // Kernel.PAGE for off in lost}
+        for off in lost:
+            assert await kernel.read(reader, off, 100) == data[off:off + 100]
+        st = sched.statistics()
+        assert (st.block_fetches, st.refill_queued, st.refilled, st.refill_skipped) == (2, 2, 0, 0)
+        del store.blobs[m.chunks[1].digest]
+        await trio.sleep(REFILL_IDLE + 0.1)
+        st = sched.statistics()
+        assert (st.refill_queued, st.refilled, st.refill_skipped) == (0, 1, 1)
+        assert not sched.cache.absent(m.chunks[3].digest) and sched.cache.absent(m.chunks[1].digest)
+        await reader.aclose()
+        n.cancel_scope.cancel()
+
+
 async def test_a_page_lost_in_the_first_second_after_its_push_is_a_lost_page(autojump_clock):
     """This VM's host pages out untouched file pages within a second of their push, while the loader is
     on its way to them. The kernel asks for a page it holds only after dropping it (a read sent before
