@@ -17,7 +17,8 @@ Cases (`--cases`, default all), each a function returning rows, run in this orde
            a remote store's bytes do not come from this machine's disk, so only the simulated latency
            and bandwidth limit them, not the local disk (which reads ~400-700 MiB/s cold here).
 - saves:   torch.save through the mount (returns once committed) vs local disk + fsync
-           (benchmarks/bench_save.py's timed child).
+           (benchmarks/bench_save.py's timed child); the disk's floor: the 2 copies the stores hold,
+           written from memory with O_DIRECT and fsynced on the same disk.
 - partial: bytes fetched vs read for partial loads (benchmarks/bench_partial.py, its own checkpoint).
 
 Rules for every timed load (benchmarks/common.py): a fresh python per measurement; a cold one after
@@ -362,9 +363,13 @@ def case_stores(ctx: Ctx) -> list[Row]:
             for n, xs in t.items()]
 
 
+FLOOR = "2 copies, O_DIRECT + fsync, local disk (the disk's floor)"
+
+
 def case_saves(ctx: Ctx) -> list[Row]:
-    """torch.save through the mount (committed at close) vs the same save to local disk + fsync."""
-    from .bench_save import timed_save
+    """torch.save through the mount (committed at close) vs the same save to local disk + fsync, and
+    the disk's floor: the 2 copies the stores hold, written from memory with O_DIRECT and fsynced."""
+    from .bench_save import timed_copies, timed_save
 
     folder = ctx.work / "saves"
     cfg = write_store_config(folder, stores=3, replicas=2,
@@ -376,6 +381,7 @@ def case_saves(ctx: Ctx) -> list[Row]:
     for rnd in range(ctx.repeat):
         d = timed_save(local, ctx.size, seed=rnd, fsync=True)
         t["torch.save, local disk + fsync"].append(d.seconds + (d.fsync or 0.0))
+        t[FLOOR].append(timed_copies(local, folder / "copies", 2))
         local.unlink()
         with ctx.mount(cfg, f"saves {rnd + 1}") as m:
             v = timed_save(m.path / "ckpt.pt", ctx.size, seed=rnd, daemon_pid=m.pid)
@@ -388,8 +394,10 @@ def case_saves(ctx: Ctx) -> list[Row]:
     for name, xs in t.items():
         s = med(xs)
         extra = {"MiB/s": f"{ctx.size / s / MiB:.0f}"}
-        if "cpfs" in name and cpu:
-            extra["CPU-s/GiB"] = f"{med(cpu) / (ctx.size / GiB):.2f}"
+        if "cpfs" in name:
+            extra["vs floor"] = f"{med(t[FLOOR]) / s:.2f}"
+            if cpu:
+                extra["CPU-s/GiB"] = f"{med(cpu) / (ctx.size / GiB):.2f}"
         rows.append(Row("saves", name, s, base / s, "local disk + fsync", 1 / 1.5 if "cpfs" in name else None,
                         extra=extra))
     return rows

@@ -4,7 +4,9 @@ One state dict (the demo's LLaMA-like checkpoint, default ~4 GiB) is saved twice
 python that generates it (same seed, so the same bytes) and times `torch.save` alone: once straight to
 local disk, once into a cpfs mount over directory stores on the same disk. Through the mount, save
 returns from close() only once every chunk is on `replicas` stores (each put fsynced), so the local
-save is also shown followed by an fsync. While the mount's save runs, the daemon's RSS is sampled every
+save is also shown followed by an fsync. The stores share the local copy's disk, so `replicas` copies
+of the bytes, written from memory with O_DIRECT and fsynced (no torch, no cpfs, no page cache), are
+timed too: the disk's floor for a save through the mount here. While the mount's save runs, the daemon's RSS is sampled every
 50 ms: its peak should stay within the cache budget plus a small constant (write sessions stage on
 disk and hold at most a few chunks per upload slot in memory, never the file).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -115,6 +118,45 @@ def timed_save(path: Path, size: int, *, seed: int, fsync: bool = False, daemon_
             proc.wait()
 
 
+def timed_copies(src: Path, folder: Path, copies: int, piece: int = 4 * MiB) -> float:
+    """Seconds to write `copies` copies of `src`'s bytes (read into memory outside the timing) as files
+    under `folder`, each fsynced: what the stores must write for one save, on this disk, without torch
+    or cpfs. The writes are O_DIRECT from one reused aligned buffer (plain writes whose pages are dropped
+    as they go where the filesystem refuses it): the disk's own speed, not this VM's cost of fresh
+    page-cache pages, which a plain copy pays per byte. A save through the mount over stores on this
+    disk cannot beat it; its ratio to it says how much of the gap to the local save is the disk."""
+    data = memoryview(src.read_bytes())
+    buf = mmap.mmap(-1, piece)                      # page-aligned, as O_DIRECT needs
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for i in range(copies):
+        path = folder / f"copy{i}"
+        try:
+            fd, direct = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644), True
+        except OSError:
+            fd, direct = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), False
+        try:
+            for off in range(0, len(data), piece):
+                n = min(piece, len(data) - off)
+                if direct and n % mmap.PAGESIZE == 0:
+                    buf[:n] = data[off:off + n]
+                    os.pwrite(fd, memoryview(buf)[:n], off)
+                else:                               # the file's tail (or no O_DIRECT): a plain write
+                    if direct:
+                        os.close(fd)
+                        fd, direct = os.open(path, os.O_WRONLY), False
+                    os.pwrite(fd, data[off:off + n], off)
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    seconds = time.perf_counter() - t0
+    for i in range(copies):
+        (folder / f"copy{i}").unlink()
+    return seconds
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
@@ -176,6 +218,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n== torch.save of ~{human(args.size)} straight to local disk ({local})")
         direct = timed_save(local, args.size, seed=args.seed, fsync=True)
         print(f"  torch.save {direct.seconds:.2f} s, then fsync {direct.fsync:.2f} s ({human(direct.size)})")
+        drop_caches()
+        floor = timed_copies(local, work / "copies", args.replicas)
+        print(f"  {args.replicas} copies of its bytes written from memory, O_DIRECT + fsync: {floor:.2f} s "
+              f"(what the stores must write, at the disk's speed)")
 
         drop_caches()
         print(f"\n== torch.save of the same state dict into the mount ({mp / FILE})")
@@ -204,12 +250,15 @@ def run(args: argparse.Namespace) -> int:
             ["torch.save + fsync, local disk", f"{direct.seconds + direct.fsync:.2f}",
              f"{size / (direct.seconds + direct.fsync) / MiB:.0f}",
              f"{(direct.seconds + direct.fsync) / direct.seconds:.2f}x"],
+            [f"{args.replicas} copies + fsync, local disk (floor)", f"{floor:.2f}", f"{size / floor / MiB:.0f}",
+             f"{floor / direct.seconds:.2f}x"],
             ["torch.save through cpfs (committed)", f"{via.seconds:.2f}", f"{size / via.seconds / MiB:.0f}",
              f"{via.seconds / direct.seconds:.2f}x"]]
     print_table(["", "seconds", "MiB/s", "vs local"], rows)
     growth = via.rss.peak - via.rss.before
     print(f"\nsave through the mount / save to local disk: {via.seconds / direct.seconds:.2f}x "
-          f"({via.seconds / (direct.seconds + direct.fsync):.2f}x of save + fsync)")
+          f"({via.seconds / (direct.seconds + direct.fsync):.2f}x of save + fsync, {via.seconds / floor:.2f}x of "
+          f"writing the {args.replicas} copies the stores hold)")
     print(f"daemon RSS: before {human(via.rss.before)}, peak {human(via.rss.peak)}, growth {human(growth)} "
           f"({via.rss.samples} samples every {SAMPLE_EVERY * 1000:.0f} ms); cache budget {human(args.cache)}: "
           f"peak = budget {'+' if via.rss.peak >= args.cache else '-'} {human(abs(via.rss.peak - args.cache))}")
