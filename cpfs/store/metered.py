@@ -83,13 +83,14 @@ class MeteredStore(StoreWrapper):
 
     def statistics(self) -> StoreStats:
         return StoreStats(name=self.name, requests=self.requests, errors=self.errors, missing=self.missing,
-                          cancelled=self.cancelled,
-                          outstanding=self.outstanding, peak_outstanding=self.peak_outstanding,
+                          cancelled=self.cancelled, outstanding=self.outstanding,
+                          peak_outstanding=self.peak_outstanding,
                           bytes_read=self.bytes_read, bytes_written=self.bytes_written,
                           latency_ewma=self.latency_ewma, latency_p50=self._quantile(0.5),
                           latency_p99=self._quantile(0.99), latency_max=self.latency_max)
 
     def _failed(self, kind: type[BaseException]) -> None:
+        """A call answered with a StoreError of `kind`."""
         if issubclass(kind, NoSuchObject):
             self.missing += 1
         else:
