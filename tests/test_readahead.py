@@ -15,7 +15,7 @@ from cpfs.config import parse_config
 from cpfs.errors import ChunkUnavailable
 from cpfs.manifest import ChunkEntry, Manifest
 from cpfs.pagecache import RACE
-from cpfs.readahead import REFILL_IDLE, Scheduler, layout_for, plan_for
+from cpfs.readahead import REFILL_IDLE, FileReader, Scheduler, layout_for, plan_for
 from cpfs.tensor_index import Record, TensorEntry, TensorIndex
 
 CHUNK = 64 * 1024
@@ -784,6 +784,13 @@ def _block_file(store: BlockStore, n: int, seed: int, window: int) -> tuple[Mani
     return Manifest("/f", len(data), 0, 0o644, size, tuple(chunks), 1), data, kernel, sched
 
 
+async def _read_through(kernel: Kernel, reader: FileReader, data: bytes) -> None:
+    """Read the whole file in 64 KiB reads, then wait until a read of a pushed page would count as lost."""
+    for off in range(0, len(data), 64 * 1024):
+        assert await kernel.read(reader, off, 64 * 1024) == data[off:off + 64 * 1024]
+    await trio.sleep(RACE + 0.1)
+
+
 async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks_cached_once_idle(autojump_clock):
     """A page the kernel was given and lost (a host reclaiming cold pages) costs the reader the blocks
     around it, not its chunk; once no read has come for REFILL_IDLE, the chunk is loaded into the cache,
@@ -795,9 +802,7 @@ async def test_pages_the_kernel_lost_are_read_from_their_blocks_and_their_chunks
         async with trio.open_nursery() as n:
             await n.start(sched.run)
             reader = await sched.open(n, m, None, inode=3)
-            for off in range(0, len(data), 64 * 1024):
-                assert await kernel.read(reader, off, 64 * 1024) == data[off:off + 64 * 1024]
-            await trio.sleep(RACE + 0.1)
+            await _read_through(kernel, reader, data)
             assert len(kernel.pages) == len(data) // Kernel.PAGE and sched.cache.statistics().used == 0
             store.log.clear()
             demand = sched.statistics().demand_fetches
@@ -834,9 +839,7 @@ async def test_a_lost_pages_chunk_that_cannot_be_loaded_is_counted_as_given_up(a
     async with trio.open_nursery() as n:
         await n.start(sched.run)
         reader = await sched.open(n, m, None, inode=3)
-        for off in range(0, len(data), 64 * 1024):
-            assert await kernel.read(reader, off, 64 * 1024) == data[off:off + 64 * 1024]
-        await trio.sleep(RACE + 0.1)
+        await _read_through(kernel, reader, data)
         lost = [m.chunks[0].raw_len + 5 * Kernel.PAGE, 3 * m.chunks[0].raw_len + BLOCK]     # in chunks 1 and 3
         kernel.pages -= {off // Kernel.PAGE for off in lost}
         for off in lost:
