@@ -62,12 +62,7 @@ class _Request:
         m.outstanding -= 1
         if exc_type is None or issubclass(exc_type, StoreError):
             # An error is an answer too (a NoSuchObject is as fast as a hit): both time the store.
-            elapsed = trio.current_time() - self._t0
-            m.latency_ewma += EWMA_WEIGHT * (elapsed - m.latency_ewma)
-            if self._fetch:
-                m._fetched(elapsed)
-            if exc_type is not None:
-                m._failed(exc_type)
+            m._answered(trio.current_time() - self._t0, fetch=self._fetch, error=exc_type)
         else:
             m.cancelled += 1
 
@@ -89,17 +84,19 @@ class MeteredStore(StoreWrapper):
                           latency_ewma=self.latency_ewma, latency_p50=self._quantile(0.5),
                           latency_p99=self._quantile(0.99), latency_max=self.latency_max)
 
-    def _failed(self, kind: type[BaseException]) -> None:
-        """A call answered with a StoreError of `kind`."""
-        if issubclass(kind, NoSuchObject):
-            self.missing += 1
-        else:
-            self.errors += 1
-
-    def _fetched(self, took: float) -> None:
-        """A fetch answered after `took` seconds (a batch's keys each count, with the batch's time)."""
-        self._fetches.append(took)
-        self.latency_max = max(self.latency_max, took)
+    def _answered(self, took: float, *, fetch: bool, error: type[BaseException] | None) -> None:
+        """A call answered after `took` seconds (a batch's keys each count, with the batch's time):
+        the moving average; a fetch's time joins the quantiles' samples and the maximum; a StoreError
+        counts as `missing` (no such object) or `errors`."""
+        self.latency_ewma += EWMA_WEIGHT * (took - self.latency_ewma)
+        if fetch:
+            self._fetches.append(took)
+            self.latency_max = max(self.latency_max, took)
+        if error is not None:
+            if issubclass(error, NoSuchObject):
+                self.missing += 1
+            else:
+                self.errors += 1
 
     def _quantile(self, q: float) -> float:
         recent = sorted(self._fetches)
@@ -146,10 +143,7 @@ class MeteredStore(StoreWrapper):
     def _answers(self, results: Sequence[object], t0: float) -> None:
         took = trio.current_time() - t0
         for r in results:
-            self.latency_ewma += EWMA_WEIGHT * (took - self.latency_ewma)
-            self._fetched(took)
-            if isinstance(r, StoreError):
-                self._failed(type(r))
+            self._answered(took, fetch=True, error=type(r) if isinstance(r, StoreError) else None)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         with _Request(self, fetch=True):
