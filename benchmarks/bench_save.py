@@ -6,9 +6,10 @@ local disk, once into a cpfs mount over directory stores on the same disk. Throu
 returns from close() only once every chunk is on `replicas` stores (each put fsynced), so the local
 save is also shown followed by an fsync. The stores share the local copy's disk, so `replicas` copies
 of the bytes, written from memory with O_DIRECT and fsynced (no torch, no cpfs, no page cache), are
-timed too: the disk's floor for a save through the mount here. While the mount's save runs, the daemon's RSS is sampled every
-50 ms: its peak should stay within the cache budget plus a small constant (write sessions stage on
-disk and hold at most a few chunks per upload slot in memory, never the file).
+timed too: the disk's floor for a save through the mount here. While the mount's save runs, the
+daemon's RSS is sampled every 50 ms: its peak should stay within the cache budget plus a small
+constant (write sessions stage on disk and hold at most a few chunks per upload slot in memory, never
+the file).
 
     python -m benchmarks.bench_save [--size 4GiB] [--stores 3] [--replicas 2] [--chunk-size 4MiB]
                                     [--cache 1GiB] [--workdir DIR] [--keep] [--no-verify]
