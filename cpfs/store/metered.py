@@ -79,8 +79,8 @@ class MeteredStore(StoreWrapper):
     def statistics(self) -> StoreStats:
         return StoreStats(name=self.name, requests=self.requests, errors=self.errors, missing=self.missing,
                           cancelled=self.cancelled, outstanding=self.outstanding,
-                          peak_outstanding=self.peak_outstanding,
-                          bytes_read=self.bytes_read, bytes_written=self.bytes_written,
+                          peak_outstanding=self.peak_outstanding, bytes_read=self.bytes_read,
+                          bytes_written=self.bytes_written,
                           latency_ewma=self.latency_ewma, latency_p50=self._quantile(0.5),
                           latency_p99=self._quantile(0.99), latency_max=self.latency_max)
 
@@ -129,18 +129,19 @@ class MeteredStore(StoreWrapper):
         try:
             results = await self.inner.get_many_with(sized, limiter)
         except StoreError as e:                  # the whole batch failed: an answer for every key
-            self._answers([e] * n, t0)
+            self._batch_answered([e] * n, t0)
             raise
         except BaseException:
             self.cancelled += n
             raise
         finally:
             self.outstanding -= n
-        self._answers(results, t0)
+        self._batch_answered(results, t0)
         self.bytes_read += sum(s.size for _, s in sized)
         return results
 
-    def _answers(self, results: Sequence[object], t0: float) -> None:
+    def _batch_answered(self, results: Sequence[object], t0: float) -> None:
+        """Each key of a batch started at `t0` answered now (`_answered` per key)."""
         took = trio.current_time() - t0
         for r in results:
             self._answered(took, fetch=True, error=type(r) if isinstance(r, StoreError) else None)
