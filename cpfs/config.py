@@ -5,6 +5,7 @@ because a typo in a store list must never silently mean "one replica fewer".
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tomllib
@@ -140,6 +141,7 @@ class Config:
     readahead_max: int = 256 * 1024**2
     fetch_concurrency: int = 16
     cpu_threads: int = 2
+    learn_prefetch: bool = True      # replay what earlier loads read (cpfs/learned.py)
     request_timeout: float = 30.0
     hedge_min: float = 0.01         # a read slower than its store's recent p95, bounded by these two,
     hedge_max: float = 0.5          # also asks the next replica ([store_defaults] hedge_min/max)
@@ -180,6 +182,7 @@ _SECTIONS = {
         "max": ("readahead_max", parse_size),
         "concurrency": ("fetch_concurrency", int),
         "cpu_threads": ("cpu_threads", int),
+        "learn": ("learn_prefetch", bool),
     },
     "mount": {
         "entry_timeout": ("entry_timeout", parse_duration),
@@ -377,6 +380,13 @@ def staging_dir(config: Config) -> Path:
         return config.staging
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "cpfs" / "staging"
+
+
+def store_set_id(config: Config) -> str:
+    """A name for the config's set of stores (their names and where they are), for what a host keeps
+    per store set under the staging folder (cpfs/voidjournal.py, cpfs/learned.py)."""
+    where = sorted(f"{s.name}\0{s.path.resolve() if s.path is not None else s.url}" for s in config.stores)
+    return hashlib.sha256("\n".join(where).encode()).hexdigest()[:24]
 
 
 def load_config(path: str | os.PathLike | None = None) -> Config:

@@ -31,6 +31,7 @@ from .config import Config, staging_dir
 from .errors import ConfigError, CpfsError
 from . import metrics
 from .fs import CpfsOperations, mount_options
+from .learned import Learner
 from .namespace import Namespace
 from .pagecache import Pusher
 from .pool import StorePool
@@ -110,7 +111,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher, fetch_many=pool.fetch_chunks,
                       fetch_blocks=pool.fetch_blocks, on_reply=pusher.replied if pusher else None)
     staging = await trio.to_thread.run_sync(prepare_staging, config)
-    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging, pusher)
+    learner = Learner.for_config(sched, config) if config.learn_prefetch else None
+    sched.watcher = learner
+    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging, pusher, learner)
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"} | mount_options(config)
     try:
         pyfuse3.init(ops, str(mountpoint), options)
@@ -145,11 +148,15 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             n.start_soon(on_signal)
             n.start_soon(trim_buffers, (buffers.POOL, ENCODE_POOL))
             await n.start(sched.run)
+            if learner is not None:
+                await n.start(learner.run)
             await pyfuse3.main(min_tasks=4, max_tasks=config.max_tasks)
             n.cancel_scope.cancel()
     finally:
         pyfuse3.close(unmount=True)
         remove_staging(staging)
+        if learner is not None:
+            learner.flush()                 # what the opens closed at unmount read
         # The stores' figures too: a load that was slow with nothing odd in the scheduler's (a stall in
         # one run of a benchmark) shows here which store answered late, and whether reads were hedged.
         log.info("unmounted %s; cache %s; scheduler %s; read buffers %s; encode buffers %s; page cache pushes %s; "

@@ -56,6 +56,7 @@ from .config import Config
 from .errors import CpfsError, Exists, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
 from .manifest import (XATTR_NAME_MAX, XATTR_NAMESPACE, XATTR_SIZE_MAX, Manifest, Summary, check_xattrs,
                        parent_dirs)
+from .learned import Learner
 from .namespace import Namespace, Node
 from .pagecache import Pusher
 from .readahead import FileReader, Scheduler
@@ -159,7 +160,7 @@ class CpfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
 
     def __init__(self, namespace: Namespace, scheduler: Scheduler, catalog: Catalog, config: Config,
-                 staging: Path, pusher: Pusher | None = None) -> None:
+                 staging: Path, pusher: Pusher | None = None, learner: Learner | None = None) -> None:
         super().__init__()
         self.ns = namespace
         self.sched = scheduler
@@ -182,7 +183,8 @@ class CpfsOperations(pyfuse3.Operations):
         self._busy_paths: list[str] = []          # paths this mount is changing the manifests of
         self._touched: set[str] | None = None     # paths changed here while the stores are listed
         self._capacity: tuple[float, Capacity | None] | None = None   # (when asked, answer) for statfs
-        self.plans: dict[int, plan.Plan] = {}      # inode -> its declared prefetch (cpfs/plan.py)
+        self.plans = plan.Board(scheduler)      # declared prefetch, per file (cpfs/plan.py)
+        self.learner = learner                  # learned prefetch, per open (cpfs/learned.py)
         now = time.time_ns()
         root = self.ns.node(pyfuse3.ROOT_INODE)   # attributes of this mount's own (see the module doc)
         root.summary = Summary(path="/", size=0, mtime_ns=now, mode=0o755, version=0, directory=True,
@@ -445,7 +447,8 @@ class CpfsOperations(pyfuse3.Operations):
         mount = {"files": sum(1 for n in self.ns.nodes.values() if not n.is_dir), "retired": len(self.ns.retired),
                  "open_handles": len(self.handles), "writing": len(self.writing)}
         return stats.collect(pool=self.catalog.pool, catalog=self.catalog, scheduler=self.sched, mount=mount,
-                             plans=[p.statistics() for p in self.plans.values()],
+                             plans=self.plans.statistics() + (self.learner.plans() if self.learner else []),
+                             learned=self.learner.statistics() if self.learner else None,
                              pushes=self.pusher.statistics() if self.pusher else None)
 
     @boundary
@@ -816,9 +819,10 @@ class CpfsOperations(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         key = self._xattr_name(inode, name)
         if key == plan.XATTR:
-            if inode not in self.plans:
+            p = self.plans.get(inode)
+            if p is None:
                 raise pyfuse3.FUSEError(errno.ENODATA)
-            return self.plans[inode].statistics().to_json()
+            return p.statistics().to_json()
         try:
             return self._xattrs(self.ns.node(inode))[key]
         except KeyError:
@@ -852,11 +856,8 @@ class CpfsOperations(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         key = self._xattr_name(inode, name)
         if key == plan.XATTR:
-            if inode not in self.plans:
+            if self.plans.stop(inode) is None:
                 raise pyfuse3.FUSEError(errno.ENODATA)
-            old = self.plans.pop(inode)
-            old.cancel()
-            self.sched.declare(inode, old.m, None)
             return
         node = self.ns.node(inode)
         await self._settled(inode)     # a commit under way first (another setxattr): take from what it made
@@ -871,17 +872,8 @@ class CpfsOperations(pyfuse3.Operations):
             raise plan.PlanError(f"{node.path}: a declared prefetch needs a committed file")
         patterns = plan.parse_patterns(value)
         m = await self._manifest(node)
-        p = plan.Plan(self.sched, node.ino, m, node.index, patterns)
-        old = self.plans.pop(node.ino, None)
-        if old is not None:
-            old.cancel()
-            self.sched.declare(node.ino, old.m, None)
-        self.sched.declare(node.ino, m, frozenset(p.chunks))
-        for ino in [i for i, q in self.plans.items() if q.done][:max(0, len(self.plans) - plan.KEPT)]:
-            self.sched.declare(ino, self.plans.pop(ino).m, None)   # the oldest finished plans go first
-        self.plans[node.ino] = p
         assert self.nursery is not None
-        self.nursery.start_soon(p.run)
+        self.plans.start(plan.Plan.declared(self.sched, node.ino, m, node.index, patterns), self.nursery)
 
     # -- names ------------------------------------------------------------------------------------
     @boundary

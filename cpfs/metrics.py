@@ -159,6 +159,12 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
                                       "Chunks with lost pages not loaded: queue full, no cache room, fetch failed."),
     ("scheduler", "inflight"): ("cpfs_fetches_in_flight", "gauge", "Chunk fetches in flight now."),
     ("scheduler", "peak_inflight"): ("cpfs_fetches_in_flight_peak", "gauge", "Most chunk fetches in flight at once."),
+    # cpfs.learned
+    ("learned", "recordings"): ("cpfs_learned_recordings", "gauge", "Loads whose reads are kept to replay as plans."),
+    ("learned", "learned"): ("cpfs_learned_loads_total", "counter", "Cold loads recorded."),
+    ("learned", "replayed"): ("cpfs_learned_plans_total", "counter", "Plans started from a recorded load."),
+    ("learned", "strayed"): ("cpfs_learned_plans_left_total", "counter",
+                             "Learned plans dropped because their reader read elsewhere."),
     # cpfs.catalog
     ("catalog", "listings"): ("cpfs_catalog_listings_total", "counter", "Folder listings sent to stores."),
     ("catalog", "fetched"): ("cpfs_catalog_manifests_fetched_total", "counter", "Whole manifests read from stores."),

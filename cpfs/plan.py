@@ -44,7 +44,7 @@ from .chunking import LEAD, TAIL
 from .errors import CpfsError
 from .manifest import Manifest
 from .pagecache import PageFeeder
-from .readahead import Scheduler, layout_for, page_chunks
+from .readahead import Layout, Scheduler, layout_for, page_chunks
 from .tensor_index import TensorIndex
 
 log = logging.getLogger(__name__)
@@ -87,24 +87,32 @@ def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[st
         spans = {(r.offset, r.length) for t in matched if (r := records.get(t.storage_key)) is not None}
     else:
         spans = {(t.offset, t.length) for t in matched}
-    data: set[int] = set()              # chunks holding bytes of some storage (or tensor)
-    for u in layout.units:
-        data.update(range(u.first, u.last + 1))
     for offset, length in spans:
         wanted.update(page_chunks(manifest, offset, length))
-    if index.format == "torch-zip":
-        # torch.load reads the zip local header of every storage in data.pkl, the ones never used too
-        # (mmap=True as well): the chunk holding the bytes before a record's data comes if it is that
-        # header's own: outside every record, or a small one reaching into the record (chunking.py cuts
-        # a big record's header into a chunk of ~LEAD + TAIL bytes). A header among small records
-        # shares a chunk with their data, and is read on demand.
-        for r in index.records:
-            if "/data/" in r.name and 0 < r.offset < manifest.size:
-                i = manifest.chunk_at(r.offset - 1)
-                own = i not in data or manifest.offsets[i + 1] > r.offset
-                if own and manifest.chunks[i].raw_len <= HEADER_CHUNK_MAX:
-                    wanted.add(i)
+    wanted.update(zip_header_chunks(manifest, index, layout))
     return [i for i in layout.plan if i in wanted], len(matched)
+
+
+def zip_header_chunks(manifest: Manifest, index: TensorIndex, layout: Layout) -> set[int]:
+    """The chunks of a torch file's zip local headers that any plan of it takes: torch.load reads the
+    header of every storage in data.pkl, the ones never used too (mmap=True as well). The chunk holding
+    the bytes before a record's data comes if it is that header's own: outside every record, or a
+    small one reaching into the record (chunking.py cuts a big record's header into a chunk of ~LEAD +
+    TAIL bytes). A header among small records shares a chunk with their data, and is read on demand.
+    None for other formats."""
+    if index.format != "torch-zip":
+        return set()
+    data: set[int] = set()              # chunks holding bytes of some storage
+    for u in layout.units:
+        data.update(range(u.first, u.last + 1))
+    out: set[int] = set()
+    for r in index.records:
+        if "/data/" in r.name and 0 < r.offset < manifest.size:
+            i = manifest.chunk_at(r.offset - 1)
+            own = i not in data or manifest.offsets[i + 1] > r.offset
+            if own and manifest.chunks[i].raw_len <= HEADER_CHUNK_MAX:
+                out.add(i)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,26 +129,36 @@ class PlanStats:
     failed_chunks: int      # no replica could be read (logged; a read of them reports the error)
     done: bool
     seconds: float          # since the plan started (until it ended, once done)
+    learned_from: str | None = None     # a plan learned from an earlier load of this path (cpfs/learned.py)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 
 
 class Plan:
-    """One declared prefetch of one version of a file. `run` in a nursery that outlives the request."""
+    """One prefetch of one version of a file, declared (`Plan.declared`) or learned from an earlier load
+    (cpfs/learned.py). `run` in a nursery that outlives the request (`Board.start`, `Learner.landed`)."""
 
-    def __init__(self, sched: Scheduler, inode: int, manifest: Manifest, index: TensorIndex | None,
-                 patterns: tuple[str, ...]) -> None:
+    def __init__(self, sched: Scheduler, inode: int, manifest: Manifest, chunks: list[int], *, tensors: int,
+                 patterns: tuple[str, ...], learned_from: str | None = None) -> None:
         self.sched = sched
         self.inode = inode
         self.m = manifest
         self.patterns = patterns
-        self.chunks, self.tensors = chunks_for(manifest, index, patterns)
+        self.learned_from = learned_from
+        self.chunks, self.tensors = chunks, tensors
         self._bytes = sum(manifest.chunks[i].raw_len for i in self.chunks)
         self.scope = trio.CancelScope()
         self._started = trio.current_time()
         self._ended: float | None = None
         self._fetched = self._fetched_bytes = self._in_kernel = self._again = self._failed = 0
+
+    @classmethod
+    def declared(cls, sched: Scheduler, inode: int, manifest: Manifest, index: TensorIndex | None,
+                 patterns: tuple[str, ...]) -> Plan:
+        """The plan of a loader's `user.cpfs.prefetch` (PlanError if it names nothing fetchable)."""
+        chunks, tensors = chunks_for(manifest, index, patterns)
+        return cls(sched, inode, manifest, chunks, tensors=tensors, patterns=patterns)
 
     def statistics(self) -> PlanStats:
         end = self._ended if self._ended is not None else trio.current_time()
@@ -149,7 +167,7 @@ class Plan:
             bytes=self._bytes, fetched_chunks=self._fetched,
             fetched_bytes=self._fetched_bytes, in_kernel_chunks=self._in_kernel,
             pushed_again_chunks=self._again, failed_chunks=self._failed,
-            done=self._ended is not None, seconds=end - self._started)
+            done=self._ended is not None, seconds=end - self._started, learned_from=self.learned_from)
 
     @property
     def done(self) -> bool:
@@ -185,8 +203,9 @@ class Plan:
         finally:
             self._ended = trio.current_time()
             s = self.statistics()
-            log.info("%s: declared prefetch (%s) %s: %d tensors, %d of %d chunks fetched (%.1f MiB), %d already "
-                     "with the kernel, %d pushed again, %d failed, %.2f s", self.m.path, ", ".join(self.patterns),
+            log.info("%s: %s prefetch (%s) %s: %d tensors, %d of %d chunks fetched (%.1f MiB), %d already "
+                     "with the kernel, %d pushed again, %d failed, %.2f s", self.m.path,
+                     "learned" if self.learned_from else "declared", self.learned_from or ", ".join(self.patterns),
                      "cancelled" if self.scope.cancelled_caught else "done", s.tensors, s.fetched_chunks,
                      s.chunks, s.fetched_bytes / 2**20, s.in_kernel_chunks, s.pushed_again_chunks, s.failed_chunks,
                      s.seconds)
@@ -218,7 +237,39 @@ class Plan:
                 cache.unpin(entry.digest)
         except Exception as e:                      # the pool logged which stores failed and why
             self._failed += 1
-            log.debug("%s: declared prefetch of chunk %d failed: %s", self.m.path, i, e)
+            log.debug("%s: prefetch of chunk %d by its plan failed: %s", self.m.path, i, e)
         finally:
             if not handed:
                 slots.release_on_behalf_of(token)
+
+
+class Board:
+    """The declared plans that stand, one per file (inode): a new one replaces the file's last, and the newest
+    KEPT finished ones stay readable (the attribute, `cpfs stats`). While a plan stands, the file's
+    readers prefetch nothing outside it (`Scheduler.declare`)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self._plans: dict[int, Plan] = {}
+
+    def get(self, inode: int) -> Plan | None:
+        return self._plans.get(inode)
+
+    def start(self, p: Plan, nursery: trio.Nursery) -> None:
+        self.stop(p.inode)
+        self.sched.declare(p.inode, p.m, frozenset(p.chunks))
+        for ino in [i for i, q in self._plans.items() if q.done][:max(0, len(self._plans) - KEPT)]:
+            self.stop(ino)                  # the oldest finished plans go first
+        self._plans[p.inode] = p
+        nursery.start_soon(p.run)
+
+    def stop(self, inode: int) -> Plan | None:
+        """Cancel the file's plan and drop its declaration; the plan, or None if it had none."""
+        old = self._plans.pop(inode, None)
+        if old is not None:
+            old.cancel()
+            self.sched.declare(inode, old.m, None)
+        return old
+
+    def statistics(self) -> list[PlanStats]:
+        return [p.statistics() for p in self._plans.values()]

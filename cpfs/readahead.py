@@ -70,6 +70,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -97,6 +98,18 @@ PAGE = 4096
 HEADER_REACH = 2 * PAGE    # a read from this close before a torch record's data starts at its zip header
 REFILL_IDLE = 0.25         # seconds without a read before chunks with lost pages are loaded (Scheduler.run)
 REFILL_QUEUE = 4096        # such chunks remembered at most
+STRAY_CHUNKS = 4           # chunks' worth of reads outside a learned plan before a reader has left it
+
+
+class Watcher(Protocol):
+    """Told where each reader first lands past the file's head, when it reads outside a learned plan,
+    and when it closes: cpfs/learned.py learns prefetch plans from what readers did."""
+
+    def landed(self, reader: "FileReader") -> None: ...
+
+    def strayed(self, reader: "FileReader", offset: int, end: int) -> None: ...
+
+    def closed(self, reader: "FileReader") -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +256,7 @@ class Scheduler:
         self._refilled = self._refill_skipped = 0
         self._feeders: dict[tuple[int, int], PageFeeder] = {}
         self._declared: dict[tuple[int, int], frozenset[int]] = {}
+        self.watcher: Watcher | None = None             # cpfs/learned.py, if the mount learns plans
         self._readers: set[FileReader] = set()
         self._closed: deque[FileStats] = deque(maxlen=RECENT_FILES)
 
@@ -510,6 +524,17 @@ class FileReader:
         # feeder. With one, its reads of pages the kernel holds looked like pages the kernel dropped
         # (the file was pushed all over again), and chunks with the kernel looked fetched (no prefetch).
         self.feeder = None if direct else sched.feeder(inode, manifest)
+        # What the watcher learns from (cpfs/learned.py): the chunks this open read or prefetched, where
+        # it first landed past the head (a unit, a fraction into it), and whether a plan stood while it
+        # read. `expected`: the chunks a plan learned from an earlier load says this open will read
+        # (`expect`).
+        self.touched: set[int] = set()
+        self.read_units: set[int] = set()   # offsets of the units its reads (past the head) touched
+        self.unused: set[int] = set()       # prefetched and never seen used, at close
+        self.landing: tuple[Unit, float] | None = None
+        self.planned = False
+        self.expected: frozenset[int] | None = None
+        self.unexpected = 0                 # bytes read away from what it was expected to read
         self.closed = False
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
@@ -555,12 +580,15 @@ class FileReader:
             self.held.clear()
             self.marks.clear()
             wasted = sum(self.pending.values())
+            self.unused = set(self.pending)
             self.pending.clear()
             self.wasted += wasted
             self.sched._used += self.used
             self.sched._wasted += self.wasted
             self.sched._readers.discard(self)
             self.sched._closed.append(self.statistics())
+            if self.sched.watcher is not None:
+                self.sched.watcher.closed(self)
 
     def _kick(self) -> None:
         self._wake.set()
@@ -615,9 +643,32 @@ class FileReader:
                 self.mark_at = pref[self.cursor]
             self.cursor += 1
 
+    def used_chunks(self) -> set[int]:
+        """What this open read or prefetched (once closed), less the prefetches never seen used that lie
+        outside every unit its reads touched: a stream window's overshoot past where the reader stopped."""
+        def read_near(i: int) -> bool:
+            return any(u.offset in self.read_units for u in self._units_in(self.m.offsets[i], self.m.offsets[i + 1]))
+        return {i for i in self.touched if i not in self.unused or read_near(i)}
+
+    def expect(self, chunks: frozenset[int]) -> None:
+        """A plan learned from an earlier load fetches `chunks` for this open (cpfs/learned.py): until
+        the reader lands outside them, its readahead prefetches nothing else. Per open, not per file
+        (a declaration is): ranks of one host reading different parts of one file each get their own."""
+        self.expected = chunks
+        self.planned = True
+
+    def unplan(self) -> None:
+        """The learned plan was another load's (`expect`): this open is learned from at its close after
+        all (its reads since show what it reads)."""
+        self.expected = None
+        self.planned = self.sched.declared(self.inode, self.m) is not None
+
     def _may_prefetch(self, i: int) -> bool:
-        """False for a chunk outside the file's declared prefetch, if it has one (Scheduler.declare)."""
+        """False for a chunk outside the file's declared prefetch (Scheduler.declare) or, without one,
+        outside what this open is expected to read (`expect`)."""
         declared = self.sched.declared(self.inode, self.m)
+        if declared is None:
+            declared = self.expected
         return declared is None or i in declared
 
     def _start_prefetch(self, i: int, hold: bool = False) -> None:
@@ -628,6 +679,7 @@ class FileReader:
         assert self._nursery is not None
         size = self.m.chunks[i].raw_len
         self.inflight.add(i)
+        self.touched.add(i)
         if hold:
             self.held.add(i)
         self.pending[i] = size
@@ -713,6 +765,7 @@ class FileReader:
         if data is None:
             return False
         self.pinned.add(i)
+        self.touched.add(i)
         if hold:
             self.held.add(i)
         else:
@@ -954,6 +1007,38 @@ class FileReader:
                     return
                 self._start_prefetch(i, hold=j == 0)
 
+    def _watch(self, offset: int, end: int, chunks: range) -> None:
+        """Tell the watcher of this open's first landing past the head, and of a landing outside what
+        a learned plan expects it to read (the guess was wrong: the readahead follows the reader
+        again). A read within the kernel's readahead reach (read_ahead_kb) of the expected chunks is the
+        kernel reading around a fault in an expected tensor; reads beyond it count, and the reader has
+        left the plan once they are over STRAY_CHUNKS chunks and half of what it read: the kernel's
+        readahead runs on past a tensor's end by a few MiB more or less each time, and a reader that
+        does something else (a whole load where a stage was recorded) reads on and on outside."""
+        assert self.sched.watcher is not None
+        declared = self.sched.declared(self.inode, self.m)
+        self.planned = self.planned or declared is not None
+        if (chunks[0] in self._head and (end - offset <= self.slack or all(i in self._head for i in chunks))
+                or self._at_header(offset)):
+            return                              # metadata (as `_observe` sees it): says nothing of what it wants
+        self.read_units.update(u.offset for u in self._units_in(offset, end))
+        if self.landing is None:
+            starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
+            u = starts[0] if starts else self._unit(offset)
+            if u is not None:
+                self.landing = (u, 0.0 if starts else (offset - u.offset) / u.length)
+                if declared is None:
+                    self.sched.watcher.landed(self)
+                    return
+        expected = self.expected
+        lo, hi = max(0, offset - self.slack), min(self.m.size, end + self.slack)
+        if expected is None or any(i in expected for i in self.m.chunk_range(lo, hi - lo)):
+            return
+        self.unexpected += end - offset
+        if self.unexpected > max(STRAY_CHUNKS * self.m.chunk_size, self.read_bytes // 2):
+            self.expected = None
+            self.sched.watcher.strayed(self, offset, end)
+
     # -- reads ------------------------------------------------------------------------------------
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         """Bytes [offset, offset+size), short at end of file."""
@@ -973,6 +1058,9 @@ class FileReader:
                      "it is read", self.m.path, end)
             self.feeder.forget()
         self._observe(offset, end, chunks)
+        self.touched.update(chunks)
+        if self.sched.watcher is not None:
+            self._watch(offset, end, chunks)
         datas: list[bytes | memoryview] = [b""] * len(chunks)
         bases = [0] * len(chunks)           # where in its chunk each of datas starts
 

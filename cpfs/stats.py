@@ -29,10 +29,10 @@ def _plain(value: Any) -> Any:
 
 
 def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], plans: Sequence[Any] = (),
-            pushes: Any = None) -> bytes:
+            learned: Any = None, pushes: Any = None) -> bytes:
     """The JSON document: stores (requests, bytes, errors, latency), their health, replica reads
-    (hedges, repairs), the chunk cache, the readahead scheduler, the page-cache pushes, declared
-    prefetches, the catalog, and the mount's own."""
+    (hedges, repairs), the chunk cache, the readahead scheduler, the page-cache pushes, declared and
+    learned prefetches, the catalog, and the mount's own."""
     doc = {
         "time": time.time(),
         "stores": _plain(pool.statistics()),
@@ -42,6 +42,7 @@ def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], p
         "scheduler": _plain(scheduler.statistics()),
         "pushes": _plain(pushes),
         "plans": _plain(list(plans)),
+        "learned": _plain(learned),
         "catalog": _plain(catalog.statistics()),
         "mount": mount,
     }
@@ -111,9 +112,13 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                                 if k not in ("path", "name") and isinstance(v, (int, float)) and not isinstance(v, bool))
             lines.append(f"file {name}: {figures}")
     for p in now.get("plans", []):
-        lines.append(f"declared prefetch {p['path']} ({', '.join(p['patterns'])}): {p['tensors']} tensors, "
+        what = (f"learned from {p['learned_from']}" if p.get("learned_from") else ", ".join(p["patterns"]))
+        lines.append(f"{'learned' if p.get('learned_from') else 'declared'} prefetch {p['path']} ({what}): {p['tensors']} tensors, "
                      f"{p['fetched_bytes'] / MiB:.1f} of {p['bytes'] / MiB:.1f} MiB fetched, "
                      f"{p['failed_chunks']} chunks failed, {'done' if p['done'] else 'running'} ({p['seconds']:.1f} s)")
+    if lr := now.get("learned"):
+        lines.append(f"learned prefetch: {lr['recordings']} loads kept, {lr['learned']} learned, "
+                     f"{lr['replayed']} replayed ({lr['strayed']} left by their reader)")
     batched = f" ({r['batched']} in {r['batch_reads']} batches)" if r.get("batch_reads") else ""
     lines.append(f"replicas: {r['reads']} reads{batched}, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
                  f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")

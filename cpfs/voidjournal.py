@@ -23,7 +23,7 @@ from pathlib import Path
 
 import trio
 
-from .config import Config, staging_dir
+from .config import Config, staging_dir, store_set_id
 from .store.directory import write_durably
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,7 @@ class VoidJournal:
 
     @classmethod
     def for_config(cls, config: Config) -> "VoidJournal":
-        where = sorted(f"{s.name}\0{s.path.resolve() if s.path is not None else s.url}" for s in config.stores)
-        ident = hashlib.sha256("\n".join(where).encode()).hexdigest()[:24]
-        return cls(staging_dir(config) / "unvoided" / ident, config.file_mode, config.dir_mode)
+        return cls(staging_dir(config) / "unvoided" / store_set_id(config), config.file_mode, config.dir_mode)
 
     def _file(self, key: str) -> Path:
         assert self.folder is not None

@@ -80,6 +80,38 @@ def wait_plan(path: Path, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+def eight_layers(src: Path, fmt: str, seed: int, rows: int) -> dict:
+    """Eight layers (a `rows` x 1024 fp32 weight and a bias each) saved to `src` as `.pt` or safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for k in range(8):
+        tensors[f"layers.{k}.weight"] = torch.randn(rows, 1024, generator=g)
+        tensors[f"layers.{k}.bias"] = torch.randn(1024, generator=g)
+    if fmt == "pt":
+        torch.save(tensors, src)
+    else:
+        save_file(tensors, str(src))
+    return tensors
+
+
+def load_part(path: Path, fmt: str, wanted: list[str]) -> dict:
+    """`wanted` tensors of a checkpoint through the mount, as a rank loads its part: torch.load(mmap=True)
+    or safetensors' safe_open (both map the file)."""
+    import torch
+    from safetensors import safe_open
+
+    if fmt == "pt":
+        sd = torch.load(path, weights_only=True, mmap=True)
+        out = {k: sd[k].clone() for k in wanted}
+        del sd                                  # its mapping would keep the mount busy at unmount
+        return out
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k).clone() for k in wanted}
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "pt"])
 def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(make_config, tmp_path: Path,
                                                                                mount, fmt: str) -> None:
@@ -91,19 +123,10 @@ def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(ma
     import time
 
     torch = pytest.importorskip("torch")
-    safetensors = pytest.importorskip("safetensors.torch")
-    from safetensors import safe_open
+    pytest.importorskip("safetensors")
 
-    g = torch.Generator().manual_seed(1)
-    tensors = {}
-    for k in range(8):
-        tensors[f"layers.{k}.weight"] = torch.randn(1024, 1024, generator=g)      # 4 MiB
-        tensors[f"layers.{k}.bias"] = torch.randn(1024, generator=g)
     src = tmp_path / f"model.{fmt}"
-    if fmt == "pt":
-        torch.save(tensors, src)
-    else:
-        safetensors.save_file(tensors, str(src))
+    tensors = eight_layers(src, fmt, seed=1, rows=1024)            # 4 MiB weights
     cfg = make_config(chunk_size="4MiB", cache="256MiB", extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
     cpfs("put", str(src), f"/model.{fmt}", config=cfg)
     (tmp_path / "plain.bin").write_bytes(os.urandom(MiB))
@@ -118,19 +141,10 @@ def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(ma
     os.setxattr(path, "user.cpfs.prefetch", b"layers.2.*\nlayers.5.*")
     plan = wait_plan(path)
 
-    def load() -> dict:
-        if fmt == "pt":
-            sd = torch.load(path, weights_only=True, mmap=True)
-            out = {k: sd[k].clone() for k in wanted}
-            del sd                                  # its mapping would keep the mount busy at unmount
-            return out
-        with safe_open(str(path), "pt") as f:
-            return {k: f.get_tensor(k).clone() for k in wanted}
-
     # The load at once, as a loader would: this VM's host reclaims pages nobody touched (pushed pages
     # are such until the load), and a CI run that read the statistics first (a second) saw the daemon
     # serve 5.3 of the 8 MiB.
-    got = load()
+    got = load_part(path, fmt, wanted)
     after, doc = fetched_bytes(m, cfg)
     print(f"\n{fmt}: plan {plan}; fetched {(after - before) / MiB:.1f} MiB for {nbytes / MiB:.1f} MiB of tensors")
     assert all(torch.equal(got[k], tensors[k]) for k in wanted)
@@ -157,7 +171,7 @@ def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(ma
     before, _ = fetched_bytes(m, cfg)
     os.setxattr(path, "user.cpfs.prefetch", b"layers.2.*\nlayers.5.*")
     again = wait_plan(path)
-    got = load()
+    got = load_part(path, fmt, wanted)
     after, _ = fetched_bytes(m, cfg)
     print(f"declared again: {again}; fetched {(after - before) / MiB:.2f} MiB")
     assert all(torch.equal(got[k], tensors[k]) for k in wanted)
@@ -216,3 +230,53 @@ def test_the_benchmark_stage_is_the_same_tensors_whatever_order_its_names_come_i
     model = [n[6:] for n in stage if n.startswith("model.")]
     assert model and all(n.startswith(("layers.6.", "layers.7.")) for n in model)
     assert {int(n.split(".")[2]) for n in stage if n.startswith("optimizer.")} == {order.index(n) for n in model}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_checkpoint(make_config, tmp_path: Path,
+                                                                                      mount, fmt: str) -> None:
+    """A rank loads its stage (layers 2 and 5 of 8) of step 1 through a mount; after a remount (a
+    restarted rank, nothing in the kernel's cache), the same stage of step 2 (same model, other values)
+    is fetched as a plan learned from the first load (cpfs/learned.py): the tensors equal step 2's, the
+    mount says where the plan came from, and it fetched about what was read."""
+    import time
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+
+    steps = {s: eight_layers(tmp_path / f"step_{s}.{fmt}", fmt, seed=s, rows=4096) for s in (1, 2)}  # 16 MiB weights
+    cfg = make_config(chunk_size="4MiB", cache="256MiB", extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    for s in (1, 2):
+        cpfs("put", str(tmp_path / f"step_{s}.{fmt}"), f"/step_{s}.{fmt}", config=cfg)
+    wanted = [k for k in steps[1] if k.startswith(("layers.2.", "layers.5."))]
+    nbytes = sum(steps[1][k].numel() * 4 for k in wanted)
+
+    def loaded(m) -> tuple[int, dict]:
+        """Chunk bytes the mount fetched (hedged reads, which the host's noise varies, not counted twice)."""
+        doc = fetched_bytes(m, cfg)[1]
+        return doc["scheduler"]["fetched_bytes"], doc
+
+    m = mount(cfg)
+    got = load_part(m.path / f"step_1.{fmt}", fmt, wanted)
+    assert all(torch.equal(got[k], steps[1][k]) for k in wanted)
+    first, _ = loaded(m)
+    m.stop()                                        # the recordings are written at the latest at unmount
+    [kept] = (tmp_path / "staging" / "learned").glob("*.json")
+    recordings = json.loads(kept.read_text())["recordings"]
+    assert any(sum(b - a for _, a, b in r["spans"]) >= nbytes for r in recordings), recordings
+
+    m = mount(cfg, "mnt2")
+    got = load_part(m.path / f"step_2.{fmt}", fmt, wanted)
+    time.sleep(0.5)                                 # plans still running finish
+    second, doc = loaded(m)
+    plans = [p for p in doc["plans"] if p["learned_from"] == f"/step_1.{fmt}"]
+    print(f"\n{fmt}: learned {doc['learned']}; plans {plans}; fetched {second / MiB:.1f} MiB "
+          f"for {nbytes / MiB:.1f} MiB of tensors ({first / MiB:.1f} MiB the first time)")
+    assert all(torch.equal(got[k], steps[2][k]) for k in wanted)
+    assert doc["learned"]["replayed"] >= 1 and doc["learned"]["strayed"] == 0
+    assert plans and all(p["failed_chunks"] == 0 for p in plans)
+    assert sum(p["bytes"] for p in plans) >= nbytes          # the stage came with the plans
+    # About what the first load fetched (the kernel reads around each fault, the neighbours' pages),
+    # within the bound of an undeclared partial load (1.3 x read + a chunk per range boundary).
+    assert nbytes <= second <= max(first, 1.3 * nbytes + 2 * 2 * CHUNK) + CHUNK
+    assert b"learned prefetch" in cpfs("stats", str(m.path), config=cfg).stdout

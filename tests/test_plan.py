@@ -61,7 +61,7 @@ async def test_a_plan_fetches_its_chunks_in_parallel_into_the_page_cache_with_bo
     kernel = Kernel(len(data))
     cache = ChunkCache(64 * CHUNK)
     sched = Scheduler(cache, store.fetch, config(concurrency=4), on_chunk=kernel.push)
-    p = Plan(sched, 7, m, index, ("t1", "t6"))
+    p = Plan.declared(sched, 7, m, index, ("t1", "t6"))
     peak_pinned = 0
 
     async def watch() -> None:
@@ -96,11 +96,11 @@ async def test_a_plan_skips_what_the_kernel_holds_and_counts_chunks_no_store_giv
     kernel = Kernel(len(data))
     sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(), on_chunk=kernel.push)
     async with trio.open_nursery() as n:
-        first = Plan(sched, 7, m, index, ("t0",))
+        first = Plan.declared(sched, 7, m, index, ("t0",))
         await first.run()
         await trio.testing.wait_all_tasks_blocked()
         del store.blobs[m.chunks[1 + 4 + 2].digest]                     # a chunk of t1 no store has
-        second = Plan(sched, 7, m, index, ("t0", "t1"))
+        second = Plan.declared(sched, 7, m, index, ("t0", "t1"))
         await second.run()
         n.cancel_scope.cancel()
     s = second.statistics()
@@ -117,18 +117,18 @@ async def test_a_plan_declared_again_after_the_kernel_dropped_its_pages_pushes_t
     m, data, index = checkpoint(store, tensors=4, per=4)
     kernel = Kernel(len(data))
     sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(), on_chunk=kernel.push)
-    first = Plan(sched, 7, m, index, ("t1",))
+    first = Plan.declared(sched, 7, m, index, ("t1",))
     sched.declare(7, m, frozenset(first.chunks))
     async with trio.open_nursery() as n:
         await first.run()
         await trio.testing.wait_all_tasks_blocked()
-        soon = Plan(sched, 7, m, index, ("t1",))
+        soon = Plan.declared(sched, 7, m, index, ("t1",))
         await soon.run()
         assert (soon.statistics().in_kernel_chunks, soon.statistics().pushed_again_chunks) == (len(first.chunks), 0)
         await trio.sleep(2 * STALE)
         kernel.pages.clear()                                # dropped, unseen by the daemon
         fetches = len(store.log)
-        again = Plan(sched, 7, m, index, ("t1",))
+        again = Plan.declared(sched, 7, m, index, ("t1",))
         sched.declare(7, m, frozenset(again.chunks))
         await again.run()
         await trio.testing.wait_all_tasks_blocked()
@@ -149,7 +149,7 @@ async def test_cancelling_a_plan_stops_its_fetches_and_releases_its_pins(autojum
     cache = ChunkCache(64 * CHUNK)
     store.hang = {c.digest for c in m.chunks}
     sched = Scheduler(cache, store.fetch, config())
-    p = Plan(sched, 7, m, index, ("t0",))
+    p = Plan.declared(sched, 7, m, index, ("t0",))
     async with trio.open_nursery() as n:
         n.start_soon(p.run)
         await trio.sleep(1)
@@ -199,7 +199,7 @@ async def test_a_declared_chunk_stays_cached_after_its_push_so_a_page_the_kernel
         m, data, index = checkpoint(store, tensors=4, per=4)
         kernel = Kernel(len(data))
         sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(), on_chunk=kernel.push)
-        p = Plan(sched, 7, m, index, ("t1",))
+        p = Plan.declared(sched, 7, m, index, ("t1",))
         if declare:
             sched.declare(7, m, frozenset(p.chunks))
         async with trio.open_nursery() as n:

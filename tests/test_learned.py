@@ -1,0 +1,223 @@
+"""Learned prefetch (cpfs/learned.py): what a cold load read is fetched at once for the next load that
+lands where it did, in the same checkpoint or a later one of the same model. Without a mount here (fake
+stores, the kernel's page cache modelled, exact virtual time); through a real mount in
+test_partial_mount."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import trio
+
+from cpfs.cache import ChunkCache
+from cpfs.learned import Learner, Recording, Shape, load, save
+from cpfs.manifest import Manifest
+from cpfs.readahead import Scheduler, layout_for
+from cpfs.tensor_index import Record, TensorEntry, TensorIndex
+from test_readahead import CHUNK, FakeStore, Kernel, config, fetched, make_file, read_tensor
+
+TENSORS, PER = 8, 8          # tensors of 8 chunks each
+
+
+def step(store: FakeStore, seed: int) -> tuple[Manifest, bytes, TensorIndex]:
+    """One checkpoint of the model: the same tensors (names, lengths, layout) for every seed, other bytes."""
+    n = 2 + TENSORS * PER
+    m, data = make_file(store, n, seed=seed)
+    ts = tuple(TensorEntry(f"t{k}", "float32", (PER * CHUNK // 4,), (1,), str(k), (1 + k * PER) * CHUNK, PER * CHUNK)
+               for k in range(TENSORS))
+    records = (Record(f"step{seed}/data.pkl", 0, CHUNK),) + tuple(
+        Record(f"step{seed}/data/{k}", t.offset, t.length) for k, t in enumerate(ts))
+    return m, data, TensorIndex("torch-zip", records, ts, file_size=n * CHUNK, directory_offset=(n - 1) * CHUNK)
+
+
+def chunks_of(k: int) -> set[int]:
+    return set(range(1 + k * PER, 1 + (k + 1) * PER))
+
+
+HEAD = {0, 1 + TENSORS * PER}
+
+
+async def run_load(store: FakeStore, path: Path, ckpt, parts: list[tuple[int, float, float]], inode: int = 1,
+               compute: float = 0.02) -> tuple[float, Learner, Scheduler]:
+    """A fresh mount (scheduler, cache, page cache; the learner reading `path`) and a reader of `parts`
+    ((tensor, from, to) fractions), computing between parts; (seconds the load took, learner, scheduler)."""
+    m, data, index = ckpt
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(128 * CHUNK), store.fetch, config(cache="8MiB", max=16 * CHUNK, read_ahead_kb=64), on_chunk=kernel.push)
+    learner = Learner(sched, path)
+    sched.watcher = learner
+    async with trio.open_nursery() as n:
+        await n.start(learner.run)
+        reader = await sched.open(n, m, index, inode)
+        await trio.sleep(0.1)                  # open: the head arrives
+        t0 = trio.current_time()
+        for k, lo, hi in parts:
+            t = index.tensors[k]
+            got = await read_tensor(kernel, reader, t, lo, hi)
+            assert got == data[t.offset + int(lo * t.length):t.offset + int(hi * t.length)]
+            await trio.sleep(compute)
+        took = trio.current_time() - t0
+        await reader.aclose()
+        await trio.sleep(2)                    # the recording is kept and written
+        n.cancel_scope.cancel()
+    return took, learner, sched
+
+
+async def test_a_stage_learned_from_one_checkpoint_is_fetched_at_once_for_the_next(autojump_clock, tmp_path: Path):
+    """A pipeline stage (tensors 2, 5 and 6 of 8) loaded from step 1 is recorded; a fresh mount (the
+    recordings read back from the file) loading step 2 lands at tensor 2 as step 1's load did: every
+    chunk of the stage is fetched at once, nothing else, and the load takes less time than the first."""
+    store = FakeStore(latency=0.008)
+    path = tmp_path / "learned.json"
+    stage = [(2, 0.0, 1.0), (5, 0.0, 1.0), (6, 0.0, 1.0)]
+    first, learner, _ = await run_load(store, path, step(store, 1), stage)
+    assert learner.statistics().learned == 1
+    [rec] = load(path)
+    assert (rec.unit, rec.at) == ("2", 0.0) and {n for n, _, _ in rec.spans} == {"2", "5", "6"}
+
+    ckpt = step(store, 2)
+    store.log.clear()
+    second, learner, sched = await run_load(store, path, ckpt, stage)
+    got = fetched(store, ckpt[0])
+    print(f"stage: first load {first:.3f} s, learned {second:.3f} s; fetched {sorted(got)}")
+    assert learner.statistics().replayed == 1 and learner.statistics().strayed == 0
+    assert set(got) == HEAD | chunks_of(2) | chunks_of(5) | chunks_of(6) and len(got) == len(set(got))
+    assert second < 0.8 * first
+    [p] = learner.plans()
+    assert p.done and p.failed_chunks == 0 and p.learned_from == "/f" and p.tensors == 3
+    assert learner.statistics().learned == 0       # a load under a plan records nothing
+
+
+async def test_a_load_whose_first_request_falls_inside_a_recorded_part_gets_the_plan(autojump_clock, tmp_path: Path):
+    """The kernel's first request of the next load comes from halfway into tensor 2 (the pages before
+    came with other pushes): inside what the recorded load read of tensor 2, so the plan is its."""
+    store = FakeStore(latency=0.008)
+    path = tmp_path / "learned.json"
+    await run_load(store, path, step(store, 1), [(2, 0.0, 1.0), (5, 0.0, 1.0)])
+    ckpt = step(store, 2)
+    store.log.clear()
+    _, learner, _ = await run_load(store, path, ckpt, [(2, 0.5, 1.0), (5, 0.0, 1.0)])
+    assert learner.statistics().replayed == 1
+    assert set(fetched(store, ckpt[0])) == HEAD | chunks_of(2) | chunks_of(5)
+    # ... but not a load landing in a part of a tensor that the recorded load did not read: rank 3 of 8
+    # read its eighth of each tensor, rank 6 lands at 6/8
+    await run_load(store, path, step(store, 1), [(k, 3 / 8, 4 / 8) for k in range(TENSORS)])
+    _, learner, _ = await run_load(store, path, ckpt, [(k, 6 / 8, 7 / 8) for k in range(TENSORS)], inode=2)
+    assert learner.statistics().replayed == 0
+
+
+async def test_a_slice_learned_is_replayed_for_a_rank_landing_at_the_same_fraction(autojump_clock, tmp_path: Path):
+    """Rank 3 of 8 reads its eighth of every tensor; the next load of rank 3 gets every slice at once,
+    and nothing of the other ranks' slices."""
+    store = FakeStore(latency=0.008)
+    path = tmp_path / "learned.json"
+    rank3 = [(k, 3 / 8, 4 / 8) for k in range(TENSORS)]
+    first, _, _ = await run_load(store, path, step(store, 1), rank3)
+    ckpt = step(store, 2)
+    store.log.clear()
+    second, learner, _ = await run_load(store, path, ckpt, rank3)
+    got = fetched(store, ckpt[0])
+    print(f"rank 3 of 8: first load {first:.3f} s, learned {second:.3f} s; fetched {sorted(got)}")
+    assert learner.statistics().replayed == 1
+    assert set(got) == HEAD | {1 + k * PER + 3 for k in range(TENSORS)}
+    assert second < first
+
+
+async def test_a_reader_that_leaves_its_learned_plan_gets_the_readahead_back_and_the_recording_goes(
+        autojump_clock, tmp_path: Path):
+    """Stage 0 and a whole load both start at tensor 0. A whole load that finds stage 0's recording
+    lands outside it at tensor 2: the plan stops, the readahead follows the reader (its bytes all
+    right), and the recording is dropped, so the next load learns afresh."""
+    store = FakeStore(latency=0.008)
+    path = tmp_path / "learned.json"
+    await run_load(store, path, step(store, 1), [(0, 0.0, 1.0), (1, 0.0, 1.0)])
+    assert len(load(path)) == 1
+    ckpt = step(store, 2)
+    store.log.clear()
+    _, learner, sched = await run_load(store, path, ckpt, [(k, 0.0, 1.0) for k in range(TENSORS)], compute=0)
+    s = learner.statistics()
+    assert s.replayed == 1 and s.strayed == 1 and s.recordings == 0
+    assert load(path) == []
+    got = fetched(store, ckpt[0])
+    assert sorted(got) == sorted(set(got)) == list(range(len(ckpt[0].chunks)))     # each chunk once
+    f = sched.statistics().files[0]
+    assert f.prefetched_bytes >= 3 * PER * CHUNK       # the readahead took over: most of tensors 3-7 prefetched
+
+
+async def test_a_whole_load_is_recorded_as_such_and_replays_nothing(autojump_clock, tmp_path: Path):
+    store = FakeStore(latency=0.008)
+    path = tmp_path / "learned.json"
+    await run_load(store, path, step(store, 1), [(k, 0.0, 1.0) for k in range(TENSORS)], compute=0)
+    [rec] = load(path)
+    assert rec.whole
+    _, learner, _ = await run_load(store, path, step(store, 2), [(k, 0.0, 1.0) for k in range(TENSORS)], compute=0)
+    assert learner.statistics().replayed == 0
+
+
+async def test_two_ranks_reading_one_file_each_follow_their_own_learned_plan(autojump_clock, tmp_path: Path):
+    """Two stages of one file, loaded by two processes on one host at once: each open gets its own
+    plan, and neither's reads count as leaving the other's."""
+    store = FakeStore(latency=0.008)
+    path = tmp_path / "learned.json"
+    stages = {0: [(1, 0.0, 1.0), (2, 0.0, 1.0)], 1: [(5, 0.0, 1.0), (6, 0.0, 1.0)]}
+    for parts in stages.values():
+        await run_load(store, path, step(store, 1), parts)
+    assert len(load(path)) == 2
+    m, data, index = ckpt = step(store, 2)
+    store.log.clear()
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(128 * CHUNK), store.fetch, config(cache="8MiB", max=16 * CHUNK, read_ahead_kb=64), on_chunk=kernel.push)
+    learner = Learner(sched, path)
+    sched.watcher = learner
+
+    async def rank(parts) -> None:
+        reader = await sched.open(n, m, index, 1)
+        for k, lo, hi in parts:
+            t = index.tensors[k]
+            assert await read_tensor(kernel, reader, t, lo, hi) == data[t.offset:t.offset + t.length]
+            await trio.sleep(0.02)
+        await reader.aclose()
+
+    async with trio.open_nursery() as n:
+        await n.start(learner.run)
+        async with trio.open_nursery() as ranks:
+            for parts in stages.values():
+                ranks.start_soon(rank, parts)
+        n.cancel_scope.cancel()
+    s = learner.statistics()
+    assert s.replayed == 2 and s.strayed == 0
+    got = fetched(store, ckpt[0])
+    assert set(got) == HEAD | chunks_of(1) | chunks_of(2) | chunks_of(5) | chunks_of(6)
+
+
+def test_the_schema_is_the_models_not_the_files_and_spans_map_back_to_chunks() -> None:
+    store = FakeStore()
+    a, b = step(store, 1), step(store, 2)
+    sa, sb = (Shape(m, index, layout_for(m, index)) for m, _, index in (a, b))
+    assert sa.schema == sb.schema and sa.schema is not None
+    other = TensorIndex("torch-zip", a[2].records[:-1], a[2].tensors[:-1], file_size=a[2].file_size,
+                        directory_offset=a[2].directory_offset)
+    assert Shape(a[0], other, layout_for(a[0], other)).schema != sa.schema
+    touched = chunks_of(3) | {1 + 5 * PER + 2}          # tensor 3 whole, one chunk of tensor 5
+    spans = sa.spans(touched)
+    assert spans == (("3", 0, PER * CHUNK), ("5", 2 * CHUNK, 3 * CHUNK))
+    rec = Recording(schema=sa.schema, unit="3", at=0.0, spans=spans, source="/a")
+    assert set(sb.chunks(rec)) == HEAD | touched
+    assert sa.spans(set(range(len(a[0].chunks)))) is None       # a whole load
+
+
+def test_the_kept_file_round_trips_and_a_bad_one_is_skipped_with_a_log_line(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "learned.json"
+    recs = [Recording(schema="s", unit="3", at=0.375, spans=(("3", 0, 100), ("5", 4096, 8192)), source="/a")]
+    save(path, recs, 0o640)
+    assert load(path) == recs and path.stat().st_mode & 0o777 == 0o640
+    assert load(tmp_path / "missing.json") == []
+    for bad in (b"{", b'{"format": 99, "recordings": []}', b'{"format": 1, "recordings": [{"schema": 1}]}',
+                json.dumps({"format": 1, "recordings": [{**recs[0].__dict__, "spans": [["3", 9, 2]]}]}).encode()):
+        path.write_bytes(bad)
+        with caplog.at_level(logging.WARNING, logger="cpfs.learned"):
+            caplog.clear()
+            assert load(path) == []
+        assert "cannot read the learned prefetch plans" in caplog.text
+        assert path.read_bytes() == bad                 # left as it was
