@@ -245,19 +245,27 @@ class Learner:
         while len(self._recs) > 1 and sum(len(v) for v in self._recs.values()) > MAX_RECORDINGS:
             self._recs.popitem(last=False)      # the least recently used schema, all its recordings
 
-    def _match(self, schema: str, unit: str, at: float, pos: int) -> tuple[Recording, bool] | None:
+    def _match(self, shape: Shape, unit: Unit, at: float) -> tuple[Recording, bool] | None:
         """(the recording, exact) of a load that landed where this one did: in `unit` at `at` (exact),
-        else the newest whose parts of `unit` hold `pos` (bytes from the unit's start). The second is
-        for where the kernel's first request falls: a loader's first fault in a tensor reaches the mount
-        as a read around it, or from wherever the pages already pushed end, not always at one place."""
-        recs = self._recs.get(schema, [])
-        best = min((r for r in recs if r.landed(unit, at)), key=lambda r: abs(r.at - at), default=None)
+        else the newest that landed near (within the first readahead window and the kernel's reach) and
+        read the landing's byte. The second is for where the kernel's first request falls: a loader's
+        first fault in a tensor reaches the mount as a read around it, or from wherever the pages other
+        opens pushed end, not always at one place. Not any recording that read the byte: a stage's first
+        tensor is also in the weights-only load's part, which starts elsewhere."""
+        name, pos = shape.name(unit), round(at * unit.length)
+        recs = self._recs.get(shape.schema or "", [])
+        best = min((r for r in recs if r.landed(name, at)), key=lambda r: abs(r.at - at), default=None)
         exact = best is not None
         if best is None:
-            best = next((r for r in reversed(recs) if r.holds(unit, pos)), None)
+            cfg = self.sched.config
+            near = cfg.readahead_initial + cfg.read_ahead_kb * 1024
+            here = unit.offset + pos
+            best = next((r for r in reversed(recs) if r.holds(name, pos) and r.unit in shape.units
+                         and abs(shape.units[r.unit].offset + r.at * shape.units[r.unit].length - here) <= near),
+                        None)
         if best is None:
             return None
-        self._recs.move_to_end(schema)
+        self._recs.move_to_end(shape.schema or "")
         return best, exact
 
     # -- the scheduler's watcher ------------------------------------------------------------------
@@ -267,7 +275,7 @@ class Learner:
         if shape is None or reader.landing is None or self._nursery is None:
             return
         unit, at = reader.landing
-        got = self._match(shape.schema or "", shape.name(unit), at, round(at * unit.length))
+        got = self._match(shape, unit, at)
         if got is None or got[0].whole:
             return
         rec, exact = got

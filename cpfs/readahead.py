@@ -1018,10 +1018,14 @@ class FileReader:
         assert self.sched.watcher is not None
         declared = self.sched.declared(self.inode, self.m)
         self.planned = self.planned or declared is not None
-        if (chunks[0] in self._head and (end - offset <= self.slack or all(i in self._head for i in chunks))
-                or self._at_header(offset)):
+        if chunks[0] in self._head and (end - offset <= self.slack or all(i in self._head for i in chunks)):
             return                              # metadata (as `_observe` sees it): says nothing of what it wants
-        self.read_units.update(u.offset for u in self._units_in(offset, end))
+        # A torch zip header read lands (torch.load reads every record's header through an open of its
+        # own, which a plan then serves: its chunks come with every plan of the file), but its record
+        # is not read.
+        header = self._at_header(offset)
+        if not header:
+            self.read_units.update(u.offset for u in self._units_in(offset, end))
         if self.landing is None:
             starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
             u = starts[0] if starts else self._unit(offset)
@@ -1032,7 +1036,7 @@ class FileReader:
                     return
         expected = self.expected
         lo, hi = max(0, offset - self.slack), min(self.m.size, end + self.slack)
-        if expected is None or any(i in expected for i in self.m.chunk_range(lo, hi - lo)):
+        if expected is None or header or any(i in expected for i in self.m.chunk_range(lo, hi - lo)):
             return
         self.unexpected += end - offset
         if self.unexpected > max(STRAY_CHUNKS * self.m.chunk_size, self.read_bytes // 2):

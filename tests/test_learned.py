@@ -15,7 +15,8 @@ from cpfs.learned import Learner, Recording, Shape, load, save
 from cpfs.manifest import Manifest
 from cpfs.readahead import Scheduler, layout_for
 from cpfs.tensor_index import Record, TensorEntry, TensorIndex
-from test_readahead import CHUNK, FakeStore, Kernel, config, fetched, make_file, read_tensor
+from test_readahead import (CHUNK, FakeStore, Kernel, config, cut_checkpoint, fetched, header_read, make_file,
+                            read_tensor)
 
 TENSORS, PER = 8, 8          # tensors of 8 chunks each
 
@@ -189,6 +190,47 @@ async def test_two_ranks_reading_one_file_each_follow_their_own_learned_plan(aut
     assert s.replayed == 2 and s.strayed == 0
     got = fetched(store, ckpt[0])
     assert set(got) == HEAD | chunks_of(1) | chunks_of(2) | chunks_of(5) | chunks_of(6)
+
+
+async def test_torch_loads_zip_header_reads_are_learned_and_replayed_all_at_once(autojump_clock, tmp_path: Path):
+    """torch.load(mmap=True) reads every record's zip header through an open of its own, one small read
+    after another (a store round trip each when cold). That open is learned too: the next one gets
+    every header's chunk at once at its first header read, and its later header reads find them with
+    the kernel."""
+    store = FakeStore(latency=0.008)
+    path = tmp_path / "learned.json"
+    m, data, index, headers = cut_checkpoint(store)
+
+    async def read_headers() -> tuple[float, int, Learner]:
+        kernel = Kernel(len(data))
+        sched = Scheduler(ChunkCache(256 * CHUNK), store.fetch, config(max=64 * CHUNK, read_ahead_kb=64),
+                          on_chunk=kernel.push)
+        learner = Learner(sched, path)
+        sched.watcher = learner
+        async with trio.open_nursery() as n:
+            await n.start(learner.run)
+            reader = await sched.open(n, m, index)
+            await trio.sleep(0.1)
+            t0 = trio.current_time()
+            for h in headers:
+                lo, size = header_read(h)
+                assert await kernel.read(reader, lo, size) == data[lo:lo + size]
+            took = trio.current_time() - t0
+            reads = reader.reads
+            await reader.aclose()
+            await trio.sleep(2)
+            n.cancel_scope.cancel()
+        return took, reads, learner
+
+    first, first_reads, learner = await read_headers()
+    assert learner.statistics().learned == 1
+    store.log.clear()
+    second, second_reads, learner = await read_headers()
+    print(f"zip headers: first {first:.3f} s in {first_reads} reads, learned {second:.3f} s in {second_reads} reads")
+    assert learner.statistics().replayed == 1
+    touched = {i for h in headers for i in m.chunk_range(*header_read(h))}
+    assert touched <= set(fetched(store, m))
+    assert second_reads <= 2 and second < first / 2
 
 
 def test_the_schema_is_the_models_not_the_files_and_spans_map_back_to_chunks() -> None:

@@ -276,7 +276,8 @@ def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_chec
     assert doc["learned"]["replayed"] >= 1 and doc["learned"]["strayed"] == 0
     assert plans and all(p["failed_chunks"] == 0 for p in plans)
     assert sum(p["bytes"] for p in plans) >= nbytes          # the stage came with the plans
-    # About what the first load fetched (the kernel reads around each fault, the neighbours' pages),
-    # within the bound of an undeclared partial load (1.3 x read + a chunk per range boundary).
-    assert nbytes <= second <= max(first, 1.3 * nbytes + 2 * 2 * CHUNK) + CHUNK
+    # About what the first load fetched: the kernel reads around each fault (the neighbours' pages)
+    # and ahead past a tensor's end a little differently each time, and where torch's zip-header open
+    # first reaches the mount varies with it (that open then learns anew instead of replaying).
+    assert nbytes <= second <= 1.3 * first + CHUNK
     assert b"learned prefetch" in cpfs("stats", str(m.path), config=cfg).stdout
