@@ -19,7 +19,8 @@ Cases (`--cases`, default all), each a function returning rows, run in this orde
 - saves:   torch.save through the mount (returns once committed) vs local disk + fsync
            (benchmarks/bench_save.py's timed child); the disk's floor: the 2 copies the stores hold,
            written from memory with O_DIRECT and fsynced on the same disk.
-- partial: bytes fetched vs read for partial loads (benchmarks/bench_partial.py, its own checkpoint).
+- partial: bytes fetched vs read for partial loads (benchmarks/bench_partial.py, its own checkpoint),
+  declared and learned too.
 
 Rules for every timed load (benchmarks/common.py): a fresh python per measurement; a cold one after
 `sync; echo 3 > /proc/sys/vm/drop_caches` and through a fresh mount; before the timer, twice the file's
@@ -415,16 +416,16 @@ def case_partial(ctx: Ctx) -> list[Row]:
     if hasattr(mod, "bench_rows"):
         results = mod.bench_rows(size=size, repeat=ctx.repeat, workdir=ctx.work)
     else:
-        code = mod.main(["--size", str(size), "--workdir", str(ctx.work), "--json", str(out), "--declare"])
+        code = mod.main(["--size", str(size), "--workdir", str(ctx.work), "--json", str(out), "--declare", "--learn"])
         if code != 0 or not out.exists():
             return [Row("partial", "partial loads", None, None, "", note=f"bench_partial exited {code}")]
         results = json.loads(out.read_text())
-    plain = {(r["fmt"], r["case"]): r["seconds"] for r in results if not r.get("declared")}
+    plain = {(r["fmt"], r["case"]): r["seconds"] for r in results if not r.get("declared") and not r.get("learned")}
 
     def speedup(r: dict) -> dict[str, str]:
-        """A declared load's time against the same load undeclared (same run)."""
-        base = plain.get((r["fmt"], r["case"])) if r.get("declared") else None
-        return {"speed vs undeclared": f"{base / r['seconds']:.2f}x"} if base and r["seconds"] else {}
+        """A declared or learned load's time against the same load without either (same run)."""
+        base = plain.get((r["fmt"], r["case"])) if r.get("declared") or r.get("learned") else None
+        return {"speed vs plain": f"{base / r['seconds']:.2f}x"} if base and r["seconds"] else {}
 
     return [Row("partial", f"{r['fmt']} {r.get('name', r['case'])}", r["seconds"],
                 r["fetched"] / r["read"] if r["read"] else None,

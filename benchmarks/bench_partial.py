@@ -16,6 +16,12 @@ tensors first (`user.cpfs.prefetch`, cpfs/plan.py: globs such as `model.*`, set 
 the same load): the mount fetches them all at once instead of as the reads arrive. (Not the slice case:
 a declaration names whole tensors.)
 
+With --learn, the weights, stage and slice cases run twice more, on a mount that learns prefetch plans
+(cpfs/learned.py): once to learn (a fresh mount, untimed), then again through another fresh mount with
+the kernel's caches dropped, as a rank restarted on the same host: the row shows that second load (the
+mount fetches what the first one read at once, from the reader's first landing). The plain and declared
+rows run with learning off, so each is a first load.
+
 `.pt` partial cases use `torch.load(mmap=True)` and read only their part. What the process read is
 computed from the file's tensor index (the loader's metadata: zip directory, data.pkl, safetensors
 header, plus the tensor bytes it asked for); what was fetched is the stores' `bytes_read` from the
@@ -23,7 +29,7 @@ mount's statistics (`.cpfs-stats`), before and after the child. The target: fetc
 chunk per range boundary (a run of adjacent read bytes has two boundaries).
 
     python -m benchmarks.bench_partial [--size 512MiB] [--latency 5ms --bandwidth 400MiB/s] [--cases ...]
-                                       [--rank N] [--declare]
+                                       [--rank N] [--declare] [--learn]
 """
 from __future__ import annotations
 
@@ -271,10 +277,11 @@ class Result:
     seconds: float
     files: list[dict[str, Any]]
     declared: bool = False     # the reader declared its tensors first (user.cpfs.prefetch)
+    learned: bool = False      # the second load through a mount that learned from the first
 
     @property
     def name(self) -> str:
-        return f"{self.case}, declared" if self.declared else self.case
+        return f"{self.case}, declared" if self.declared else f"{self.case}, learned" if self.learned else self.case
 
     @property
     def bound(self) -> int:
@@ -287,16 +294,19 @@ def stats(mp: Path, cfg: Path) -> dict[str, Any]:
     return json.loads(cpfs("stats", str(mp), "--json", config=cfg).stdout)
 
 
-def write_config(folder: Path, latency: str | None, bandwidth: str | None) -> Path:
+def write_config(folder: Path, latency: str | None, bandwidth: str | None, learn: bool = False) -> Path:
+    """The stores' config; `learn`: a second config over the same stores whose mounts learn prefetch
+    plans, kept in a staging folder of its own (the first has learning off)."""
     folder.mkdir(parents=True, exist_ok=True)
-    lines = ["replicas = 2"]
+    lines = ["replicas = 2", "", "[readahead]", f"learn = {'true' if learn else 'false'}", "",
+             "[mount]", f'staging = "{folder / ("staging-learn" if learn else "staging")}"']
     for i in range(3):
         lines += ["", "[[store]]", f'name = "s{i}"', f'url = "stores/s{i}"']
         if latency:
             lines.append(f'latency = "{latency}"')
         if bandwidth:
             lines.append(f'bandwidth = "{bandwidth}"')
-    path = folder / "cpfs.toml"
+    path = folder / ("cpfs-learn.toml" if learn else "cpfs.toml")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -316,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, help="where the temporary stores and mounts go (default /tmp)")
     p.add_argument("--declare", action="store_true",
                    help="also run the weights, stage and full cases with the reader declaring its tensors first")
+    p.add_argument("--learn", action="store_true",
+                   help="also run the weights, stage and slice cases a second time through a mount that learned "
+                        "from the first")
     p.add_argument("--rank", type=int, default=RANK, choices=range(RANKS),
                    help=f"the slice case's rank of {RANKS} (default {RANK}; rank 0's slices start at tensor starts)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -333,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
     paths = make_files(args.size)
     work = Path(tempfile.mkdtemp(prefix="cpfs-partial-", dir=args.workdir or "/tmp"))
     cfg = write_config(work / "cfg", args.latency, args.bandwidth)
+    learn_cfg = write_config(work / "cfg", args.latency, args.bandwidth, learn=True)
     mp = work / "mnt"
     results: list[Result] = []
     try:
@@ -345,14 +359,22 @@ def run(args: argparse.Namespace) -> int:
             from .common import cpfs
             chunks = [c[1] for c in json.loads(cpfs("inspect", "--json", f"/{paths[fmt].name}", config=cfg).stdout)["chunks"]]
             names = [t.name for t in index.tensors]
-            runs = [(case, "") for case in args.cases]
+            runs = [(case, "", False) for case in args.cases]
             if args.declare:
-                runs += [(case, "\n".join(declared(case, names))) for case in args.cases if case != "slice"]
-            for case, declare in runs:
-                with mounted(cfg, mp, work / f"{fmt}-{case}{'-declared' if declare else ''}.log") as m:
+                runs += [(case, "\n".join(declared(case, names)), False) for case in args.cases if case != "slice"]
+            if args.learn:
+                runs += [(case, "", True) for case in args.cases if case != "full"]
+            for case, declare, learn in runs:
+                child = [sys.executable, "-m", "benchmarks.bench_partial", "child", fmt, case,
+                         str(mp / paths[fmt].name), str(args.rank), declare]
+                tag = "-declared" if declare else "-learned" if learn else ""
+                if learn:                     # the first load, which the mount learns from
+                    with mounted(learn_cfg, mp, work / f"{fmt}-{case}-learning.log"):
+                        run_child(child, timeout=1800)
+                        time.sleep(1.5)       # the recording is written within a second of the close
+                with mounted(learn_cfg if learn else cfg, mp, work / f"{fmt}-{case}{tag}.log") as m:
                     before = stats(mp, cfg)
-                    r = run_child([sys.executable, "-m", "benchmarks.bench_partial", "child", fmt, case,
-                                   str(mp / paths[fmt].name), str(args.rank), declare], timeout=1800)
+                    r = run_child(child, timeout=1800)
                     time.sleep(0.5)           # fetches the closing reader cancelled settle
                     after = stats(mp, cfg)
                 if m.problems:
@@ -364,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
                              fetched, touched(chunks, ranges), after["replicas"]["hedges"] - before["replicas"]["hedges"],
                              sum(f["fetched_bytes"] for f in after["scheduler"].get("files", [])
                                  if f["path"] == f"/{paths[fmt].name}"),
-                             r["seconds"], after["scheduler"].get("files", []), bool(declare))
+                             r["seconds"], after["scheduler"].get("files", []), bool(declare), learn)
                 results.append(res)
                 print(f"  {fmt:<11} {res.name:<16} read {human(res.read):>11} in {res.ranges:>3} ranges, fetched "
                       f"{human(fetched):>11} = {fetched / res.read:5.2f}x, bound {human(res.bound)}  "
@@ -390,13 +412,15 @@ def report(results: list[Result]) -> None:
                   f"{r.fetched / r.touched:.2f}", f"{r.fetched / r.size:.2f}", f"{r.fetched / r.bound:.2f}",
                   "met" if r.fetched <= r.bound else "MISSED", r.hedges,
                   f"{r.sched_fetched / r.read:.2f}", f"{r.seconds:.1f}"] for r in results])
-    plain = {(r.fmt, r.case): r for r in results if not r.declared}
-    pairs = [(plain[(r.fmt, r.case)], r) for r in results if r.declared and (r.fmt, r.case) in plain]
-    if pairs:
-        print("\n== declared prefetch (user.cpfs.prefetch) against the same load undeclared, same run")
-        print_table(["format", "case", "seconds", "declared", "speedup", "fetched/read", "declared"],
-                    [[a.fmt, a.case, f"{a.seconds:.2f}", f"{b.seconds:.2f}", f"{a.seconds / b.seconds:.2f}x",
-                      f"{a.fetched / a.read:.2f}", f"{b.fetched / b.read:.2f}"] for a, b in pairs])
+    plain = {(r.fmt, r.case): r for r in results if not r.declared and not r.learned}
+    for what, flag in (("declared prefetch (user.cpfs.prefetch)", "declared"),
+                       ("learned prefetch (a second load, the mount having learned from the first)", "learned")):
+        pairs = [(plain[(r.fmt, r.case)], r) for r in results if getattr(r, flag) and (r.fmt, r.case) in plain]
+        if pairs:
+            print(f"\n== {what} against the same load without, same run")
+            print_table(["format", "case", "seconds", flag, "speedup", "fetched/read", flag],
+                        [[a.fmt, a.case, f"{a.seconds:.2f}", f"{b.seconds:.2f}", f"{a.seconds / b.seconds:.2f}x",
+                          f"{a.fetched / a.read:.2f}", f"{b.fetched / b.read:.2f}"] for a, b in pairs])
 
 
 if __name__ == "__main__":

@@ -70,8 +70,9 @@ class Recording:
     schema: str
     unit: str                                   # where the load first landed past the head
     at: float                                   # ... a fraction into that unit
-    spans: tuple[tuple[str, int, int], ...]     # (unit, from, to): the bytes of each unit it read, from the
-                                                # unit's start (the schema fixes the units' lengths); () for a whole load
+    # (unit, from, to): the bytes of each unit it read, counted from the unit's start (the schema fixes
+    # the units' lengths); () for a whole load
+    spans: tuple[tuple[str, int, int], ...]
     source: str                                 # the path it was learned from
 
     @property
@@ -114,7 +115,8 @@ class Shape:
         else:       # torch: a storage record's name after "/data/" (the archive's root is the file's name)
             by_offset = {r.offset: r.name.rsplit("/data/", 1)[-1] for r in index.records if "/data/" in r.name}
             names = [by_offset.get(u.offset) for u in layout.units]
-        self.names: list[str] | None = None if None in names or len(set(names)) < len(names) else names  # type: ignore[assignment]
+        unique = None not in names and len(set(names)) == len(names)     # else no schema: nothing is learned
+        self.names: list[str] | None = names if unique else None  # type: ignore[assignment]
         self.units = {n: u for n, u in zip(self.names or (), layout.units)}
         self.schema: str | None = None
         if self.names is not None and self.names:
@@ -151,7 +153,8 @@ class Shape:
         if total == 0 or covered >= FULL * total:
             return None
         assert self.names is not None
-        return tuple((self.names[k], a - units[k].offset, b - units[k].offset) for k in sorted(parts) for a, b in parts[k])
+        return tuple((self.names[k], a - units[k].offset, b - units[k].offset)
+                     for k in sorted(parts) for a, b in parts[k])
 
     def chunks(self, rec: Recording) -> list[int]:
         """The chunks of this file a recording names, in loader order: the head, the zip headers (a

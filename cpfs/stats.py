@@ -112,8 +112,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                                 if k not in ("path", "name") and isinstance(v, (int, float)) and not isinstance(v, bool))
             lines.append(f"file {name}: {figures}")
     for p in now.get("plans", []):
-        what = (f"learned from {p['learned_from']}" if p.get("learned_from") else ", ".join(p["patterns"]))
-        lines.append(f"{'learned' if p.get('learned_from') else 'declared'} prefetch {p['path']} ({what}): {p['tensors']} tensors, "
+        kind, what = (("learned", f"from {p['learned_from']}") if p.get("learned_from")
+                      else ("declared", ", ".join(p["patterns"])))
+        lines.append(f"{kind} prefetch {p['path']} ({what}): {p['tensors']} tensors, "
                      f"{p['fetched_bytes'] / MiB:.1f} of {p['bytes'] / MiB:.1f} MiB fetched, "
                      f"{p['failed_chunks']} chunks failed, {'done' if p['done'] else 'running'} ({p['seconds']:.1f} s)")
     if lr := now.get("learned"):

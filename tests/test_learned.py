@@ -39,13 +39,19 @@ def chunks_of(k: int) -> set[int]:
 HEAD = {0, 1 + TENSORS * PER}
 
 
+def mount_scheduler(store: FakeStore, kernel: Kernel) -> Scheduler:
+    """A fresh mount's scheduler; the kernel's readahead reach one chunk (1 MiB of 4 MiB chunks on a mount)."""
+    return Scheduler(ChunkCache(128 * CHUNK), store.fetch, config(cache="8MiB", max=16 * CHUNK, read_ahead_kb=64),
+                     on_chunk=kernel.push)
+
+
 async def run_load(store: FakeStore, path: Path, ckpt, parts: list[tuple[int, float, float]], inode: int = 1,
                compute: float = 0.02) -> tuple[float, Learner, Scheduler]:
     """A fresh mount (scheduler, cache, page cache; the learner reading `path`) and a reader of `parts`
     ((tensor, from, to) fractions), computing between parts; (seconds the load took, learner, scheduler)."""
     m, data, index = ckpt
     kernel = Kernel(len(data))
-    sched = Scheduler(ChunkCache(128 * CHUNK), store.fetch, config(cache="8MiB", max=16 * CHUNK, read_ahead_kb=64), on_chunk=kernel.push)
+    sched = mount_scheduler(store, kernel)
     learner = Learner(sched, path)
     sched.watcher = learner
     async with trio.open_nursery() as n:
@@ -168,7 +174,7 @@ async def test_two_ranks_reading_one_file_each_follow_their_own_learned_plan(aut
     m, data, index = ckpt = step(store, 2)
     store.log.clear()
     kernel = Kernel(len(data))
-    sched = Scheduler(ChunkCache(128 * CHUNK), store.fetch, config(cache="8MiB", max=16 * CHUNK, read_ahead_kb=64), on_chunk=kernel.push)
+    sched = mount_scheduler(store, kernel)
     learner = Learner(sched, path)
     sched.watcher = learner
 
