@@ -66,7 +66,7 @@ FORMAT = 1
 
 @dataclass(frozen=True, kw_only=True)
 class Recording:
-    """What one cold load of a file read, per unit, as fractions of the unit."""
+    """What one cold load of a file read: byte spans of its units, and where it first landed."""
     schema: str
     unit: str                                   # where the load first landed past the head
     at: float                                   # ... a fraction into that unit
