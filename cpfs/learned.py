@@ -41,7 +41,6 @@ import bisect
 import hashlib
 import json
 import logging
-import os
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +51,7 @@ from .config import Config, staging_dir, store_set_id
 from .manifest import Manifest
 from .plan import KEPT, Plan, PlanStats, zip_header_chunks
 from .readahead import SLICE_TOLERANCE, FileReader, Layout, Scheduler, Unit
+from .store.directory import write_durably
 from .tensor_index import TensorIndex
 
 log = logging.getLogger(__name__)
@@ -358,9 +358,6 @@ def load(path: Path) -> list[Recording]:
 
 
 def save(path: Path, recs: list[Recording], mode: int = 0o600, dir_mode: int = 0o700) -> None:
-    """Write the recordings whole or not at all (a temporary file renamed over the old one)."""
+    """Write the recordings whole or not at all, in exactly `mode` (`write_durably`)."""
     path.parent.mkdir(mode=dir_mode, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode), "w") as f:
-        json.dump({"format": FORMAT, "recordings": [asdict(r) for r in recs]}, f)
-    os.replace(tmp, path)
+    write_durably(path, json.dumps({"format": FORMAT, "recordings": [asdict(r) for r in recs]}).encode(), mode)

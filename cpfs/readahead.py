@@ -808,6 +808,16 @@ class FileReader:
             k += 1
         return out
 
+    def _starting_in(self, offset: int, end: int) -> list[Unit]:
+        """The units that start inside [offset, end): a read covering a unit's start lands there (the
+        kernel reads around a page fault at it)."""
+        return [t for t in self._units_in(offset, end) if offset <= t.offset]
+
+    def _metadata(self, offset: int, end: int, chunks: range) -> bool:
+        """A read of the loader's metadata: from the head, no longer than the kernel's readahead (or
+        within the head). A loader reads it at any time; it says nothing of how it reads tensors."""
+        return chunks[0] in self._head and (end - offset <= self.slack or all(i in self._head for i in chunks))
+
     def _continues(self, chunks: range) -> tuple[int, int] | None:
         """(order, previous position) if the read continues the last one along an order: it starts at
         the reader's chunk, the next one, or just after what was fetched ahead of the reader there
@@ -835,7 +845,7 @@ class FileReader:
         if self.reads == 0:
             for i in self._head:                    # what every loader reads first (maybe from the kernel)
                 self._seen(i)
-        if chunks[0] in self._head and (end - offset <= self.slack or all(i in self._head for i in chunks)):
+        if self._metadata(offset, end, chunks):
             for i in chunks:                        # the loader's metadata: read at any time, says nothing
                 self._seen(i)
             return
@@ -852,7 +862,7 @@ class FileReader:
             before = self._unit(self.m.offsets[self.last_chunk]) if self.last_chunk is not None else None
             header = self._at_header(offset)
             if self.mid is not None and not header:
-                starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
+                starts = self._starting_in(offset, end)
                 if starts:
                     # The landing inside a tensor was the kernel reading around a fault at the next
                     # tensor's start: this is the landing.
@@ -949,7 +959,7 @@ class FileReader:
         if self._at_header(offset):
             return                                  # a zip header read lands nowhere (see _observe)
         # A read that covers a tensor's start (the kernel reads around a page fault) lands at that start.
-        starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
+        starts = self._starting_in(offset, end)
         u = starts[0] if starts else self._unit(offset)
         if u is None:
             return
@@ -1018,8 +1028,8 @@ class FileReader:
         assert self.sched.watcher is not None
         declared = self.sched.declared(self.inode, self.m)
         self.planned = self.planned or declared is not None
-        if chunks[0] in self._head and (end - offset <= self.slack or all(i in self._head for i in chunks)):
-            return                              # metadata (as `_observe` sees it): says nothing of what it wants
+        if self._metadata(offset, end, chunks):
+            return                              # says nothing of what the reader wants
         # A torch zip header read lands (torch.load reads every record's header through an open of its
         # own, which a plan then serves: its chunks come with every plan of the file), but its record
         # is not read.
@@ -1027,7 +1037,7 @@ class FileReader:
         if not header:
             self.read_units.update(u.offset for u in self._units_in(offset, end))
         if self.landing is None:
-            starts = [t for t in self._units_in(offset, end) if offset <= t.offset]
+            starts = self._starting_in(offset, end)
             u = starts[0] if starts else self._unit(offset)
             if u is not None:
                 self.landing = (u, 0.0 if starts else (offset - u.offset) / u.length)
