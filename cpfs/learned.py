@@ -51,7 +51,7 @@ from .config import Config, staging_dir, store_set_id
 from .manifest import Manifest
 from .plan import KEPT, Plan, PlanStats, zip_header_chunks
 from .readahead import SLICE_TOLERANCE, FileReader, Layout, Scheduler, Unit
-from .store.directory import write_durably
+from .store.directory import reap_temporaries, write_durably
 from .tensor_index import TensorIndex
 
 log = logging.getLogger(__name__)
@@ -344,7 +344,9 @@ class Learner:
 
 
 def load(path: Path) -> list[Recording]:
-    """The recordings kept in `path`; none (and a log line) if it is missing or cannot be read."""
+    """The recordings kept in `path`; none (and a log line) if it is missing or cannot be read. Old
+    temporary files beside it (a daemon killed while writing it) go."""
+    reap_temporaries(path.parent)
     try:
         doc = json.loads(path.read_bytes())
         if doc.get("format") != FORMAT:

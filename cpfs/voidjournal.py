@@ -24,7 +24,7 @@ from pathlib import Path
 import trio
 
 from .config import Config, staging_dir, store_set_id
-from .store.directory import write_durably
+from .store.directory import reap_temporaries, write_durably
 
 log = logging.getLogger(__name__)
 SUFFIX = ".void"
@@ -49,10 +49,12 @@ class VoidJournal:
 
     def pending(self) -> dict[str, bytes]:
         """Every key written and not yet removed, with its bytes. Blocking (at startup). A file that
-        cannot be read is logged and skipped, never removed: it is the only record of its duty."""
+        cannot be read is logged and skipped, never removed: it is the only record of its duty. Old
+        temporary files (a process killed while writing a key) go."""
         out: dict[str, bytes] = {}
         if self.folder is None or not self.folder.is_dir():
             return out
+        reap_temporaries(self.folder)
         for f in sorted(self.folder.glob("*" + SUFFIX)):
             try:
                 key, sep, data = f.read_bytes().partition(b"\n")

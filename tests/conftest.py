@@ -32,6 +32,17 @@ def make_config(tmp_path: Path) -> Callable[..., Path]:
     return lambda **kw: write_config(tmp_path / "cfg", **kw)
 
 
+def stale_and_fresh_temporaries(folder: Path) -> tuple[Path, Path]:
+    """Two temporary files as write_durably names them in `folder`: one two hours old (its writer was
+    killed mid-write), one just made (another process's write under way)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    old, young = (folder / f"x.{tag * 32}.cpfs-tmp" for tag in "ab")
+    for f in (old, young):
+        f.write_bytes(b"half a file")
+    os.utime(old, (time.time() - 7200,) * 2)
+    return old, young
+
+
 def cpfs(*args: str, config: Path | None = None, check: bool = True, **kw) -> subprocess.CompletedProcess:
     """Run the cpfs CLI in a subprocess, as a user would."""
     cmd = [sys.executable, "-m", "cpfs.cli"] + (["--config", str(config)] if config else []) + list(args)

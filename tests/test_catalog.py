@@ -23,6 +23,7 @@ from cpfs.pool import StorePool
 from cpfs.store.directory import DirectoryStore
 from cpfs.store.faulty import FaultyStore
 from cpfs.voidjournal import VoidJournal
+from tests.conftest import stale_and_fresh_temporaries
 
 
 MANIFESTS, TWINS = "manifests/*", "*.failed.json"    # the keys the tests' fault rules pick
@@ -205,11 +206,14 @@ async def test_a_mount_voids_what_no_store_took_without_waiting_for_a_commit(tmp
 
 async def test_a_journal_file_that_cannot_be_read_is_kept_and_said(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """A damaged journal file is the only record of its duty: it is logged and left, never removed."""
+    """A damaged journal file is the only record of its duty: it is logged and left, never removed. An
+    hour-old temporary file is a killed writer's and goes."""
     journal = VoidJournal(tmp_path / "journal")
     await journal.add("manifests/x", b"twin bytes")
     (tmp_path / "journal" / "0123.void").write_bytes(b"no key line")
+    old, young = stale_and_fresh_temporaries(tmp_path / "journal")       # writers killed mid-write
     assert journal.pending() == {"manifests/x": b"twin bytes"}
+    assert not old.exists() and young.exists()                           # another's write may be under way
     assert journal.pending() == {"manifests/x": b"twin bytes"}           # a mount reads it every 10 s
     assert [r.levelname for r in caplog.records if "0123.void" in r.getMessage()] == ["ERROR"]   # said once
     assert (tmp_path / "journal" / "0123.void").exists()

@@ -15,6 +15,7 @@ from cpfs.learned import Learner, Recording, Shape, load, save
 from cpfs.manifest import Manifest
 from cpfs.readahead import Scheduler, layout_for
 from cpfs.tensor_index import Record, TensorEntry, TensorIndex
+from tests.conftest import stale_and_fresh_temporaries
 from test_readahead import (CHUNK, FakeStore, Kernel, config, cut_checkpoint, fetched, header_read, make_file,
                             read_tensor)
 
@@ -255,11 +256,13 @@ def test_the_schema_is_the_models_not_the_files_and_spans_map_back_to_chunks() -
     assert sa.spans(set(range(len(a[0].chunks)))) is None       # a whole load
 
 
-def test_the_kept_file_round_trips_and_a_bad_one_is_skipped_with_a_log_line(tmp_path: Path, caplog) -> None:
+def test_the_kept_file_round_trips_and_a_bad_one_is_skipped_and_old_temporaries_go(tmp_path: Path, caplog) -> None:
     path = tmp_path / "learned.json"
     recs = [Recording(schema="s", unit="3", at=0.375, spans=(("3", 0, 100), ("5", 4096, 8192)), source="/a")]
     save(path, recs, 0o640)
+    old, young = stale_and_fresh_temporaries(tmp_path)     # daemons killed while writing it, or writing now
     assert load(path) == recs and path.stat().st_mode & 0o777 == 0o640
+    assert not old.exists() and young.exists()
     assert load(tmp_path / "missing.json") == []
     for bad in (b"{", b'{"format": 99, "recordings": []}', b'{"format": 1, "recordings": [{"schema": 1}]}',
                 json.dumps({"format": 1, "recordings": [{**recs[0].__dict__, "spans": [["3", 9, 2]]}]}).encode()):

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import stat
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -61,6 +62,29 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def reap_temporaries(folder: Path, older_than: float = 3600.0) -> int:
+    """Remove the temporary files that `write_durably` left in `folder` (a process killed mid-write)
+    once they are `older_than` seconds old: younger ones may be another process's write under way.
+    Returns how many went; a folder that cannot be listed reaps nothing. Blocking."""
+    reaped = 0
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    now = time.time()
+    for entry in entries:
+        if not entry.name.endswith(TMP_SUFFIX):
+            continue
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime >= older_than:
+                os.unlink(entry.path)
+                reaped += 1
+                log.info("%s: removed a temporary file left by an interrupted write", entry.path)
+        except OSError:
+            continue                     # gone meanwhile, or not ours to remove: left as it is
+    return reaped
 
 
 def write_durably(path: Path, data: bytes | memoryview, mode: int, drop_pages: bool = False) -> None:
