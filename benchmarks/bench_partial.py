@@ -20,7 +20,9 @@ With --learn, the weights, stage and slice cases run twice more, on a mount that
 (cpfs/learned.py): once to learn (a fresh mount, untimed), then again through another fresh mount with
 the kernel's caches dropped, as a rank restarted on the same host: the row shows that second load (the
 mount fetches what the first one read at once, from the reader's first landing). The plain and declared
-rows run with learning off, so each is a first load.
+rows run with learning off, so each is a first load. With --another-host as well, the second load's
+mount has none of the first one's local recordings (its staging folder's `learned/` is removed, as on
+a replacement node): its plan comes from the recordings shared through the stores.
 
 `.pt` partial cases use `torch.load(mmap=True)` and read only their part. What the process read is
 computed from the file's tensor index (the loader's metadata: zip directory, data.pkl, safetensors
@@ -29,7 +31,7 @@ mount's statistics (`.cpfs-stats`), before and after the child. The target: fetc
 chunk per range boundary (a run of adjacent read bytes has two boundaries).
 
     python -m benchmarks.bench_partial [--size 512MiB] [--latency 5ms --bandwidth 400MiB/s] [--cases ...]
-                                       [--rank N] [--declare] [--learn]
+                                       [--rank N] [--declare] [--learn [--another-host]]
 """
 from __future__ import annotations
 
@@ -326,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, help="where the temporary stores and mounts go (default /tmp)")
     p.add_argument("--declare", action="store_true",
                    help="also run the weights, stage and full cases with the reader declaring its tensors first")
+    p.add_argument("--another-host", action="store_true",
+                   help="with --learn: the second load's mount has no local recordings (another host's): its "
+                        "plan comes through the stores")
     p.add_argument("--learn", action="store_true",
                    help="also run the weights, stage and slice cases a second time through a mount that learned "
                         "from the first")
@@ -372,6 +377,8 @@ def run(args: argparse.Namespace) -> int:
                     with mounted(learn_cfg, mp, work / f"{fmt}-{case}-learning.log"):
                         run_child(child, timeout=1800)
                         time.sleep(1.5)       # the recording is written within a second of the close
+                    if args.another_host:     # what the stores shared, nothing of this host's
+                        remove_tree(work / "cfg" / "staging-learn" / "learned")
                 with mounted(learn_cfg if learn else cfg, mp, work / f"{fmt}-{case}{tag}.log") as m:
                     before = stats(mp, cfg)
                     r = run_child(child, timeout=1800)

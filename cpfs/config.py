@@ -142,6 +142,7 @@ class Config:
     fetch_concurrency: int = 16
     cpu_threads: int = 2
     learn_prefetch: bool = True      # replay what earlier loads read (cpfs/learned.py)
+    learn_shared: bool = True        # ... also what other hosts' loads read: recordings kept in the stores
     request_timeout: float = 30.0
     hedge_min: float = 0.01         # a read slower than its store's recent p95, bounded by these two,
     hedge_max: float = 0.5          # also asks the next replica ([store_defaults] hedge_min/max)
@@ -183,6 +184,7 @@ _SECTIONS = {
         "concurrency": ("fetch_concurrency", int),
         "cpu_threads": ("cpu_threads", int),
         "learn": ("learn_prefetch", bool),
+        "learn_shared": ("learn_shared", bool),
     },
     "mount": {
         "entry_timeout": ("entry_timeout", parse_duration),

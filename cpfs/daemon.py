@@ -40,6 +40,7 @@ from .upload import ENCODE_POOL
 from .voidjournal import VoidJournal
 
 log = logging.getLogger(__name__)
+SHARE_AT_UNMOUNT = 5.0     # seconds an unmount waits to share what the last loads learned (cpfs/learned.py)
 
 
 class MountError(CpfsError):
@@ -111,7 +112,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher, fetch_many=pool.fetch_chunks,
                       fetch_blocks=pool.fetch_blocks, on_reply=pusher.replied if pusher else None)
     staging = await trio.to_thread.run_sync(prepare_staging, config)
-    learner = Learner.for_config(sched, config) if config.learn_prefetch else None
+    learner = Learner.for_config(sched, config, pool) if config.learn_prefetch else None
     sched.watcher = learner
     ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging, pusher, learner)
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"} | mount_options(config)
@@ -151,6 +152,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             if learner is not None:
                 await n.start(learner.run)
             await pyfuse3.main(min_tasks=4, max_tasks=config.max_tasks)
+            if learner is not None:
+                with trio.move_on_after(SHARE_AT_UNMOUNT):
+                    await learner.share()   # what the opens closed at unmount read, for other hosts
             n.cancel_scope.cancel()
     finally:
         pyfuse3.close(unmount=True)

@@ -34,6 +34,16 @@ Kept in memory and in one JSON file per store set in the staging folder (local t
 `learned/<store set>.json`), so a remount, or another mount of the same stores on the host, knows them;
 a file that cannot be read is logged and the mount starts with none (it is a cache: nothing a user
 made is in it).
+
+Shared through the stores too (`StoreShared`, `[readahead] learn_shared`), so that a rank restarted on
+another host (a replacement node after a failure: the load that must be fast) replays what it read
+on the old one: one object per schema and landing unit (`learned/<schema>/<unit hash>.json`, on
+`replicas` stores placed by its key), holding the recordings of the loads that landed in that unit
+(PER_UNIT, newest first). An open whose landing matches nothing kept here asks the stores for its
+unit's object (one GET; the landing's plan waits for it at most SHARED_WAIT, the reader does not);
+a learned load updates its unit's object (a GET and a PUT, merged with what other hosts put there; a
+recording this mount dropped as mis-guessed leaves it). An object that cannot be read or written is
+logged and skipped: the stores' copy is a cache as well, and `learned/` may be deleted at any time.
 """
 from __future__ import annotations
 
@@ -44,15 +54,21 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from .config import Config, staging_dir, store_set_id
+from .errors import CpfsError, NoSuchObject
 from .manifest import Manifest
+from .placement import place
 from .plan import KEPT, Plan, PlanStats, zip_header_chunks
 from .readahead import SLICE_TOLERANCE, FileReader, Layout, Scheduler, Unit
 from .store.directory import reap_temporaries, write_durably
 from .tensor_index import TensorIndex
+
+if TYPE_CHECKING:
+    from .pool import StorePool
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +78,11 @@ MAX_RECORDINGS = 512        # kept at most (least recently used schemas go first
 PER_SCHEMA = 64             # ... per schema (the oldest go first): a host's ranks, a few loaders each
 SHAPES = 32                 # files whose units (by name) are kept at hand
 FORMAT = 1
+SHARED_PREFIX = "learned/"  # the stores' copy (StoreShared)
+PER_UNIT = 16               # recordings in one shared object: loads that landed in one unit
+SHARED_WAIT = 0.5           # seconds a landing's plan waits for its unit's shared recordings
+SHARED_AGAIN = 60.0         # ... which are asked for again after this long (other hosts learn meanwhile)
+SHARED_MAX = 1 << 20        # bytes: a bigger shared object is not read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +123,58 @@ class LearnedStats:
     learned: int            # loads recorded (partial and whole) since the mount started
     replayed: int           # plans started from a recording
     strayed: int            # ... dropped because the reader landed outside them
+    shared_gets: int = 0    # shared objects asked for (a landing no recording here matched)
+    shared_got: int = 0     # ... recordings they brought
+    shared_puts: int = 0    # shared objects written (learned loads)
+    shared_errors: int = 0  # shared objects that could not be read or written (logged)
+
+
+class Shared(Protocol):
+    """Where recordings are shared between hosts: the recordings of the loads that landed in a unit."""
+
+    async def get(self, schema: str, unit: str) -> list[Recording]: ...
+
+    async def put(self, schema: str, unit: str, recs: list[Recording]) -> None: ...
+
+
+class SharedError(CpfsError):
+    """A shared object could not be read or written (the learner logs it and goes on)."""
+
+
+class StoreShared:
+    """Recordings in the stores: `learned/<schema>/<unit hash>.json` on `replicas` stores placed by the
+    key (cpfs/placement.py), written to whichever of them take it (quorum 1: a cache)."""
+
+    def __init__(self, pool: StorePool, replicas: int) -> None:
+        self.pool = pool
+        self.replicas = max(1, min(replicas, len(pool.names)))
+
+    @staticmethod
+    def key(schema: str, unit: str) -> str:
+        return f"{SHARED_PREFIX}{schema}/{hashlib.blake2b(unit.encode(), digest_size=16).hexdigest()}.json"
+
+    async def get(self, schema: str, unit: str) -> list[Recording]:
+        """The recordings of `schema` that landed in `unit`; none if there is no object."""
+        key = self.key(schema, unit)
+        try:
+            data = await self.pool.get_any(place(key, self.pool.names, self.replicas), key)
+        except NoSuchObject:
+            return []
+        except CpfsError as e:
+            raise SharedError(f"{key}: {e}") from None
+        try:
+            if len(data) > SHARED_MAX:
+                raise ValueError(f"{len(data)} bytes, more than {SHARED_MAX}")
+            return [r for r in decode(data) if r.schema == schema and r.unit == unit]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SharedError(f"{key}: not recordings ({e})") from None
+
+    async def put(self, schema: str, unit: str, recs: list[Recording]) -> None:
+        key = self.key(schema, unit)
+        try:
+            await self.pool.put_quorum(place(key, self.pool.names, self.replicas), key, encode(recs), 1)
+        except CpfsError as e:
+            raise SharedError(f"{key}: {e}") from None
 
 
 class Shape:
@@ -177,9 +250,11 @@ class Learner:
     """Records cold loads and replays them (the module doc): the scheduler's watcher. `run` in the
     daemon's nursery owns the learned plans' tasks and the writes of the file."""
 
-    def __init__(self, sched: Scheduler, path: Path | None, mode: int = 0o600, dir_mode: int = 0o700) -> None:
+    def __init__(self, sched: Scheduler, path: Path | None, mode: int = 0o600, dir_mode: int = 0o700,
+                 shared: Shared | None = None) -> None:
         self.sched = sched
         self.path = path
+        self.shared = shared
         self.modes = (mode, dir_mode)           # of the file and its folder (it names paths: the mount's modes)
         self._recs: OrderedDict[str, list[Recording]] = OrderedDict()   # schema -> its recordings (LRU)
         self._shapes: OrderedDict[tuple[int, int], Shape | None] = OrderedDict()   # the last SHAPES files
@@ -188,15 +263,23 @@ class Learner:
         self._nursery: trio.Nursery | None = None
         self._dirty = trio.Event()
         self._learned = self._replayed = self._strayed = 0
+        # (schema, unit) -> when its shared object was last asked for; and the ones to write, each with
+        # the landings dropped here since (left out of the shared object)
+        self._asked: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._to_share: dict[tuple[str, str], list[float]] = {}
+        self._gets = self._got = self._puts = self._share_errors = 0
 
     @classmethod
-    def for_config(cls, sched: Scheduler, config: Config) -> Learner:
+    def for_config(cls, sched: Scheduler, config: Config, pool: StorePool | None = None) -> Learner:
+        """The mount's learner; `pool`: share the recordings through its stores (`learn_shared`)."""
+        shared = StoreShared(pool, config.replicas) if pool is not None and config.learn_shared else None
         return cls(sched, staging_dir(config) / "learned" / f"{store_set_id(config)}.json", config.file_mode,
-                   config.dir_mode)
+                   config.dir_mode, shared)
 
     def statistics(self) -> LearnedStats:
         return LearnedStats(recordings=sum(len(v) for v in self._recs.values()), learned=self._learned,
-                            replayed=self._replayed, strayed=self._strayed)
+                            replayed=self._replayed, strayed=self._strayed, shared_gets=self._gets,
+                            shared_got=self._got, shared_puts=self._puts, shared_errors=self._share_errors)
 
     def plans(self) -> list[PlanStats]:
         """The learned plans of open files, and of the last closed ones."""
@@ -221,6 +304,25 @@ class Learner:
                         await trio.to_thread.run_sync(save, self.path, recs, *self.modes)
                     except OSError as e:
                         log.warning("cannot keep the learned prefetch plans in %s: %s", self.path, e)
+                await self.share()
+
+    async def share(self) -> None:
+        """Write what was learned or dropped here since the last time into the shared objects of those
+        units, merged with what other hosts put there (the daemon calls it once more at unmount)."""
+        if self.shared is None:
+            return
+        pending, self._to_share = self._to_share, {}
+        for (schema, unit), dropped in pending.items():
+            try:
+                theirs = await self.shared.get(schema, unit)
+                mine = [r for r in reversed(self._recs.get(schema, [])) if r.unit == unit]     # newest first
+                keep = mine + [r for r in theirs if not any(m.landed(r.unit, r.at) for m in mine)
+                               and not any(abs(r.at - at) <= SLICE_TOLERANCE for at in dropped)]
+                await self.shared.put(schema, unit, keep[:PER_UNIT])
+                self._puts += 1
+            except SharedError as e:
+                self._share_errors += 1
+                log.warning("cannot share the learned prefetch plans: %s", e)
 
     def flush(self) -> None:
         """Write the recordings now, if any changed since the last write (blocking: at unmount, when the
@@ -279,7 +381,52 @@ class Learner:
             return
         unit, at = reader.landing
         got = self._match(shape, unit, at)
-        if got is None or got[0].whole:
+        key = (shape.schema or "", shape.name(unit))
+        if got is None and self.shared is not None and self._ask(key):
+            self._nursery.start_soon(self._land_shared, reader, shape, key)
+        else:
+            self._replay(reader, shape, got)
+
+    def _ask(self, key: tuple[str, str]) -> bool:
+        """Whether to ask the stores for the shared recordings of `key` (schema, unit) now: not again
+        within SHARED_AGAIN (each landing there would cost a GET)."""
+        now = trio.current_time()
+        if key in self._asked and now - self._asked[key] < SHARED_AGAIN:
+            return False
+        self._asked[key] = now
+        self._asked.move_to_end(key)
+        while len(self._asked) > MAX_RECORDINGS:
+            self._asked.popitem(last=False)
+        return True
+
+    async def _land_shared(self, reader: FileReader, shape: Shape, key: tuple[str, str]) -> None:
+        """Keep what other hosts' loads that landed in this open's unit read, then replay as `landed`
+        does, unless the open has gone on without (closed, or given a plan meanwhile). The reader
+        does not wait: its readahead follows it meanwhile."""
+        assert self.shared is not None
+        recs: list[Recording] = []
+        self._gets += 1
+        with trio.move_on_after(SHARED_WAIT):
+            try:
+                recs = await self.shared.get(*key)
+            except SharedError as e:
+                self._share_errors += 1
+                log.warning("cannot read the shared learned prefetch plans: %s", e)
+        mine = self._recs.get(key[0], [])
+        new = [r for r in recs if not any(m.landed(r.unit, r.at) for m in mine)]
+        for r in reversed(new):                 # the object lists the newest first
+            self._keep(r)
+        self._got += len(new)
+        if new:
+            self._dirty.set()                   # kept in the local file too
+        if reader.closed or reader.planned or reader in self._plans or reader.landing is None:
+            return
+        unit, at = reader.landing
+        self._replay(reader, shape, self._match(shape, unit, at))
+
+    def _replay(self, reader: FileReader, shape: Shape, got: tuple[Recording, bool] | None) -> None:
+        """Start the plan of a matched recording for this open (a whole load's: none)."""
+        if got is None or got[0].whole or self._nursery is None:
             return
         rec, exact = got
         chunks = shape.chunks(rec)
@@ -290,7 +437,7 @@ class Learner:
         self._nursery.start_soon(p.run)
         self._replayed += 1
         log.info("%s: a load landed at %s (%.3f) as one of %s did: fetching the %d chunks (%.1f MiB) it read",
-                 reader.m.path, rec.unit, at, rec.source, len(chunks),
+                 reader.m.path, rec.unit, reader.landing[1] if reader.landing else rec.at, rec.source, len(chunks),
                  sum(reader.m.chunks[i].raw_len for i in chunks) / 2**20)
 
     def strayed(self, reader: FileReader, offset: int, end: int) -> None:
@@ -312,6 +459,8 @@ class Learner:
                 self._recs[rec.schema] = left
             else:
                 self._recs.pop(rec.schema, None)
+            if self.shared is not None:
+                self._to_share.setdefault((rec.schema, rec.unit), []).append(rec.at)
             self._dirty.set()
         else:
             reader.unplan()
@@ -339,8 +488,23 @@ class Learner:
             return
         self._keep(Recording(schema=shape.schema or "", unit=shape.name(unit), at=at, spans=spans or (),
                              source=reader.m.path))
+        if self.shared is not None:
+            self._to_share.setdefault((shape.schema or "", shape.name(unit)), [])
         self._learned += 1
         self._dirty.set()
+
+
+def encode(recs: list[Recording]) -> bytes:
+    """The kept file's bytes, and a shared object's."""
+    return json.dumps({"format": FORMAT, "recordings": [asdict(r) for r in recs]}).encode()
+
+
+def decode(data: bytes) -> list[Recording]:
+    """`encode`'s recordings; ValueError (or KeyError, TypeError, AttributeError) if it is not that."""
+    doc = json.loads(data)
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"format {doc.get('format')!r}, not {FORMAT}")
+    return [Recording.from_json(d) for d in doc["recordings"]]
 
 
 def load(path: Path) -> list[Recording]:
@@ -348,10 +512,7 @@ def load(path: Path) -> list[Recording]:
     temporary files beside it (a daemon killed while writing it) go."""
     reap_temporaries(path.parent)
     try:
-        doc = json.loads(path.read_bytes())
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"format {doc.get('format')!r}, not {FORMAT}")
-        return [Recording.from_json(d) for d in doc["recordings"]]
+        return decode(path.read_bytes())
     except FileNotFoundError:
         return []
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -362,4 +523,4 @@ def load(path: Path) -> list[Recording]:
 def save(path: Path, recs: list[Recording], mode: int = 0o600, dir_mode: int = 0o700) -> None:
     """Write the recordings whole or not at all, in exactly `mode` (`write_durably`)."""
     path.parent.mkdir(mode=dir_mode, exist_ok=True)
-    write_durably(path, json.dumps({"format": FORMAT, "recordings": [asdict(r) for r in recs]}).encode(), mode)
+    write_durably(path, encode(recs), mode)

@@ -165,6 +165,13 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("learned", "replayed"): ("cpfs_learned_plans_total", "counter", "Plans started from a recorded load."),
     ("learned", "strayed"): ("cpfs_learned_plans_left_total", "counter",
                              "Learned plans dropped because their reader read elsewhere."),
+    ("learned", "shared_gets"): ("cpfs_learned_shared_gets_total", "counter",
+                                 "Shared learned objects asked for (landings no recording here matched)."),
+    ("learned", "shared_got"): ("cpfs_learned_shared_recordings_total", "counter",
+                                "Recordings other hosts' loads shared that this mount took."),
+    ("learned", "shared_puts"): ("cpfs_learned_shared_puts_total", "counter", "Shared learned objects written."),
+    ("learned", "shared_errors"): ("cpfs_learned_shared_errors_total", "counter",
+                                   "Shared learned objects that could not be read or written."),
     # cpfs.catalog
     ("catalog", "listings"): ("cpfs_catalog_listings_total", "counter", "Folder listings sent to stores."),
     ("catalog", "fetched"): ("cpfs_catalog_manifests_fetched_total", "counter", "Whole manifests read from stores."),

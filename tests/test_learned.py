@@ -4,18 +4,23 @@ stores, the kernel's page cache modelled, exact virtual time); through a real mo
 test_partial_mount."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
 
+import pytest
 import trio
 
 from cpfs.cache import ChunkCache
-from cpfs.learned import Learner, Recording, Shape, load, save
+from cpfs.learned import Learner, Recording, Shape, SharedError, StoreShared, encode, load, save
+from cpfs.config import parse_config
 from cpfs.manifest import Manifest
+from cpfs.pool import StorePool
 from cpfs.readahead import Scheduler, layout_for
 from cpfs.tensor_index import Record, TensorEntry, TensorIndex
 from tests.conftest import stale_and_fresh_temporaries
+from tests.storekinds import STORE_FACTORIES
 from test_readahead import (CHUNK, FakeStore, Kernel, config, cut_checkpoint, fetched, header_read, make_file,
                             read_tensor)
 
@@ -46,14 +51,41 @@ def mount_scheduler(store: FakeStore, kernel: Kernel) -> Scheduler:
                      on_chunk=kernel.push)
 
 
+class MemoryShared:
+    """The stores' shared objects (learned.Shared) in memory, a round trip of `latency` each; `down`:
+    every request fails as a store that is down would."""
+
+    def __init__(self, latency: float = 0.008) -> None:
+        self.latency = latency
+        self.objects: dict[tuple[str, str], list[Recording]] = {}
+        self.down = False
+        self.gets = self.puts = 0
+
+    async def _trip(self) -> None:
+        await trio.sleep(self.latency)
+        if self.down:
+            raise SharedError("learned/...: store 's0' is down")
+
+    async def get(self, schema: str, unit: str) -> list[Recording]:
+        self.gets += 1
+        await self._trip()
+        return list(self.objects.get((schema, unit), []))
+
+    async def put(self, schema: str, unit: str, recs: list[Recording]) -> None:
+        self.puts += 1
+        await self._trip()
+        self.objects[(schema, unit)] = list(recs)
+
+
 async def run_load(store: FakeStore, path: Path, ckpt, parts: list[tuple[int, float, float]], inode: int = 1,
-               compute: float = 0.02) -> tuple[float, Learner, Scheduler]:
-    """A fresh mount (scheduler, cache, page cache; the learner reading `path`) and a reader of `parts`
-    ((tensor, from, to) fractions), computing between parts; (seconds the load took, learner, scheduler)."""
+                   compute: float = 0.02, shared: MemoryShared | None = None) -> tuple[float, Learner, Scheduler]:
+    """A fresh mount (scheduler, cache, page cache; the learner reading `path`, sharing through `shared`)
+    and a reader of `parts` ((tensor, from, to) fractions), computing between parts; (seconds the load
+    took, learner, scheduler)."""
     m, data, index = ckpt
     kernel = Kernel(len(data))
     sched = mount_scheduler(store, kernel)
-    learner = Learner(sched, path)
+    learner = Learner(sched, path, shared=shared)
     sched.watcher = learner
     async with trio.open_nursery() as n:
         await n.start(learner.run)
@@ -68,6 +100,7 @@ async def run_load(store: FakeStore, path: Path, ckpt, parts: list[tuple[int, fl
         took = trio.current_time() - t0
         await reader.aclose()
         await trio.sleep(2)                    # the recording is kept and written
+        await learner.share()                  # as the daemon does at unmount
         n.cancel_scope.cancel()
     return took, learner, sched
 
@@ -95,6 +128,83 @@ async def test_a_stage_learned_from_one_checkpoint_is_fetched_at_once_for_the_ne
     [p] = learner.plans()
     assert p.done and p.failed_chunks == 0 and p.learned_from == "/f" and p.tensors == 3
     assert learner.statistics().learned == 0       # a load under a plan records nothing
+
+
+async def test_a_stage_learned_on_one_host_is_fetched_at_once_on_another(autojump_clock, tmp_path: Path):
+    """A rank's stage loaded on host A is shared through the stores; the rank restarted on host B (a
+    replacement node: nothing learned there) lands where it did on A, asks the stores for that unit's
+    recordings (one GET), and gets the stage fetched at once, nothing else. A store that is down costs
+    the plan, not the load."""
+    store, shared = FakeStore(latency=0.008), MemoryShared()
+    stage = [(2, 0.0, 1.0), (5, 0.0, 1.0), (6, 0.0, 1.0)]
+    first, a, _ = await run_load(store, tmp_path / "a.json", step(store, 1), stage, shared=shared)
+    assert a.statistics().shared_puts == 1 and [r.unit for [r] in shared.objects.values()] == ["2"]
+
+    ckpt = step(store, 2)
+    store.log.clear()
+    second, b, _ = await run_load(store, tmp_path / "b.json", ckpt, stage, shared=shared)
+    print(f"stage on another host: first load {first:.3f} s, learned {second:.3f} s")
+    s = b.statistics()
+    assert s.shared_gets == 1 and s.shared_got == 1 and s.replayed == 1 and s.strayed == 0
+    assert set(fetched(store, ckpt[0])) == HEAD | chunks_of(2) | chunks_of(5) | chunks_of(6)
+    assert second < 0.8 * first
+    [p] = b.plans()
+    assert p.learned_from == "/f" and p.done
+    assert [(r.unit, r.at) for r in load(tmp_path / "b.json")] == [("2", 0.0)]     # B keeps it too
+
+    shared.down = True
+    store.log.clear()
+    _, c, _ = await run_load(store, tmp_path / "c.json", ckpt, stage, shared=shared)
+    s = c.statistics()
+    assert s.shared_errors == 2 and s.replayed == 0         # its GET at the landing, its PUT after the load
+    assert set(fetched(store, ckpt[0])) >= chunks_of(2) | chunks_of(5) | chunks_of(6)
+
+
+async def test_a_shared_recording_a_host_found_mis_guessed_leaves_the_stores(autojump_clock, tmp_path: Path):
+    """Host A shares a stage of tensors 1-2 and another landing's part; host B's load of tensors 1-7
+    lands at tensor 1, takes the stage's plan, reads on outside it: B drops that recording, and its
+    next write of the unit's object leaves it out, keeping what other loads put there."""
+    store, shared = FakeStore(latency=0.008), MemoryShared()
+    await run_load(store, tmp_path / "a.json", step(store, 1), [(1, 0.0, 1.0), (2, 0.0, 1.0)], shared=shared)
+    other = Recording(schema=load(tmp_path / "a.json")[0].schema, unit="1", at=0.5, spans=(("1", 0, 100),),
+                      source="/g")
+    [key] = shared.objects
+    shared.objects[key].append(other)                      # another host's load that landed in tensor 1
+    ckpt = step(store, 2)
+    _, b, _ = await run_load(store, tmp_path / "b.json", ckpt, [(k, 0.0, 1.0) for k in range(1, TENSORS)],
+                             compute=0, shared=shared)
+    s = b.statistics()
+    assert s.replayed == 1 and s.strayed == 1 and s.shared_puts == 1
+    assert shared.objects[key] == [other]
+
+
+@pytest.mark.parametrize("kind", [STORE_FACTORIES[0], STORE_FACTORIES[-1]])       # folder, s3
+async def test_the_stores_keep_shared_recordings_and_a_bad_object_is_an_error_not_a_plan(tmp_path: Path,
+                                                                                       kind) -> None:
+    """StoreShared over a pool of 3 stores: a unit's recordings round-trip through 2 of them, placed by
+    the key; a missing object is none; an object that is not recordings is a SharedError (the learner
+    logs it and goes on), and recordings of another unit under the key are not taken."""
+    config = parse_config('replicas = 2\n' + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(3)),
+                          "test.toml", tmp_path)
+    async with contextlib.AsyncExitStack() as stack:
+        stores = [await stack.enter_async_context(kind(tmp_path, f"s{i}")) for i in range(3)]
+        pool = StorePool(config, stores=stores)
+        shared = StoreShared(pool, replicas=2)
+        recs = [Recording(schema="s", unit="layers.2.w", at=0.0, spans=(("layers.2.w", 0, 4096),), source="/a")]
+        assert await shared.get("s", "layers.2.w") == []
+        await shared.put("s", "layers.2.w", recs)
+        assert await shared.get("s", "layers.2.w") == recs
+        key = StoreShared.key("s", "layers.2.w")
+        holders = [n for n in pool.names if await pool.exists(n, key)]
+        assert len(holders) == 2 and key.startswith("learned/s/")
+        for n in holders:
+            await pool.put(n, key, b"{not json")
+        with pytest.raises(SharedError, match="not recordings"):
+            await shared.get("s", "layers.2.w")
+        for n in holders:
+            await pool.put(n, key, encode([Recording(**{**recs[0].__dict__, "unit": "x"})]))
+        assert await shared.get("s", "layers.2.w") == []
+        await pool.aclose()
 
 
 async def test_a_load_whose_first_request_falls_inside_a_recorded_part_gets_the_plan(autojump_clock, tmp_path: Path):

@@ -74,7 +74,8 @@ DOC = {
                {"name": 'odd "name"\\', "up": False, "reason": "timeout", "retries": 0}],
     "cache": {"hits": 5, "misses": 2, "used": 4096},
     "scheduler": {"inflight": 1, "a_field_added_later": 9},
-    "learned": {"recordings": 3, "learned": 4, "replayed": 2, "strayed": 1},
+    "learned": {"recordings": 3, "learned": 4, "replayed": 2, "strayed": 1, "shared_gets": 5, "shared_got": 2,
+                "shared_puts": 4, "shared_errors": 1},
     "mount": {"files": 1},
 }
 
@@ -88,6 +89,7 @@ def test_render_names_types_and_labels_every_figure() -> None:
     assert m["cpfs_fetches_in_flight"] == {"": 1} and m["cpfs_files"] == {"": 1}
     assert m["cpfs_scheduler_a_field_added_later"] == {"": 9}     # a new field is never silently missing
     assert m["cpfs_learned_plans_total"] == {"": 2} and m["cpfs_learned_plans_left_total"] == {"": 1}
+    assert m["cpfs_learned_shared_recordings_total"] == {"": 2} and m["cpfs_learned_shared_errors_total"] == {"": 1}
     assert not any("time" in name or "reason" in name for name in m)
     text = metrics.render(DOC)
     assert "# TYPE cpfs_cache_hits_total counter" in text and "# TYPE cpfs_store_up gauge" in text

@@ -232,13 +232,15 @@ def test_the_benchmark_stage_is_the_same_tensors_whatever_order_its_names_come_i
     assert {int(n.split(".")[2]) for n in stage if n.startswith("optimizer.")} == {order.index(n) for n in model}
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize("fmt,host", [("safetensors", "same"), ("pt", "same"), ("safetensors", "another")])
 def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_checkpoint(make_config, tmp_path: Path,
-                                                                                      mount, fmt: str) -> None:
+                                                                                      mount, fmt: str,
+                                                                                      host: str) -> None:
     """A rank loads its stage (layers 2 and 5 of 8) of step 1 through a mount; after a remount (a
     restarted rank, nothing in the kernel's cache), the same stage of step 2 (same model, other values)
     is fetched as a plan learned from the first load (cpfs/learned.py): the tensors equal step 2's, the
-    mount says where the plan came from, and it fetched about what was read."""
+    mount says where the plan came from, and it fetched about what was read. `another` host: the second
+    mount has a staging folder of its own (nothing learned there), so the plan comes from the stores."""
     import time
 
     torch = pytest.importorskip("torch")
@@ -246,6 +248,10 @@ def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_chec
 
     steps = {s: eight_layers(tmp_path / f"step_{s}.{fmt}", fmt, seed=s, rows=4096) for s in (1, 2)}  # 16 MiB weights
     cfg = make_config(chunk_size="4MiB", cache="256MiB", extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    cfg2 = cfg                                      # the second mount's: the same host, or another one
+    if host == "another":
+        cfg2 = cfg.with_name("host2.toml")
+        cfg2.write_text(cfg.read_text().replace(str(tmp_path / "staging"), str(tmp_path / "staging2")))
     for s in (1, 2):
         cpfs("put", str(tmp_path / f"step_{s}.{fmt}"), f"/step_{s}.{fmt}", config=cfg)
     wanted = [k for k in steps[1] if k.startswith(("layers.2.", "layers.5."))]
@@ -265,10 +271,13 @@ def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_chec
     recordings = json.loads(kept.read_text())["recordings"]
     assert any(sum(b - a for _, a, b in r["spans"]) >= nbytes for r in recordings), recordings
 
-    m = mount(cfg, "mnt2")
+    assert not (tmp_path / "staging2" / "learned").exists()
+    m = mount(cfg2, "mnt2")
     got = load_part(m.path / f"step_2.{fmt}", fmt, wanted)
     time.sleep(0.5)                                 # plans still running finish
     second, doc = loaded(m)
+    if host == "another":
+        assert doc["learned"]["shared_got"] >= 1          # from the stores: nothing was learned on this "host"
     plans = [p for p in doc["plans"] if p["learned_from"] == f"/step_1.{fmt}"]
     print(f"\n{fmt}: learned {doc['learned']}; plans {plans}; fetched {second / MiB:.1f} MiB "
           f"for {nbytes / MiB:.1f} MiB of tensors ({first / MiB:.1f} MiB the first time)")
