@@ -266,6 +266,9 @@ class Learner:
         # (schema, unit) -> when its shared object was last asked for; and the ones to write, each with
         # the landings dropped here since (left out of the shared object)
         self._asked: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # recording -> loads that landed exactly where it did and read within its plan since it was
+        # learned or last left (`strayed`: one that served such a load stays when another leaves it)
+        self._served: OrderedDict[Recording, int] = OrderedDict()
         self._to_share: dict[tuple[str, str], list[float]] = {}
         self._gets = self._got = self._puts = self._share_errors = 0
 
@@ -443,9 +446,12 @@ class Learner:
     def strayed(self, reader: FileReader, offset: int, end: int) -> None:
         """The reader landed outside what its learned plan expected: the guess was wrong. The plan
         stops. If the recording was of a load that landed as this one did, it goes, so the next load
-        of this landing learns afresh; if this load only landed inside what that one read (another
-        rank's neighbouring part), the recording stays, and this load is learned from at its close
-        (by its own landing, which then matches first)."""
+        of this landing learns afresh, unless it served such a load since it was learned or last left:
+        then it is right for some loader that lands here (a weights-only load, which a whole load of
+        the file starts as), and stays until a second load leaves it with none served between. If this
+        load only landed inside what that one read (another rank's neighbouring part), the recording
+        stays, and this load is learned from at its close (by its own landing, which then matches
+        first)."""
         got = self._plans.pop(reader, None)
         if got is None:
             return
@@ -453,6 +459,11 @@ class Learner:
         p.cancel()
         self._ended.append(p)
         self._strayed += 1
+        if exact and self._served.pop(rec, 0):     # not learned from at its close: it would replace it
+            log.info("%s: a read of [%d, %d) left the plan learned from %s (landed at %s %.3f): dropped; the "
+                     "recording stays (it served a load that landed there), the readahead follows the reader",
+                     reader.m.path, offset, end, rec.source, rec.unit, rec.at)
+            return
         if exact:
             left = [r for r in self._recs.get(rec.schema, []) if r is not rec]
             if left:
@@ -474,6 +485,10 @@ class Learner:
         got = self._plans.pop(reader, None)
         if got is not None:
             self._ended.append(got[0])
+            if got[2]:                          # an exact replay its reader did not leave: it served
+                self._served[got[1]] = self._served.pop(got[1], 0) + 1
+                while len(self._served) > MAX_RECORDINGS:
+                    self._served.popitem(last=False)
         if reader.planned or reader.landing is None:
             return
         used = reader.used_chunks()

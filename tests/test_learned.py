@@ -263,6 +263,54 @@ async def test_a_reader_that_leaves_its_learned_plan_gets_the_readahead_back_and
     assert f.prefetched_bytes >= 3 * PER * CHUNK       # the readahead took over: most of tensors 3-7 prefetched
 
 
+async def test_a_recording_that_served_its_landing_stays_when_a_whole_load_leaves_it(autojump_clock,
+                                                                                   tmp_path: Path):
+    """A stage of tensors 1-2 is learned and then replayed for a load of it (it served). A load of
+    tensors 1-7 lands at tensor 1 as well (a whole load starts as a part load does), takes the plan and
+    leaves it: the readahead follows that reader, but the recording stays, so the next load of the
+    stage still gets it at once. A second load that leaves it with none served between drops it."""
+    store = FakeStore(latency=0.008)
+    path = tmp_path / "learned.json"
+    stage, rest = [(1, 0.0, 1.0), (2, 0.0, 1.0)], [(k, 0.0, 1.0) for k in range(1, TENSORS)]
+    await run_load(store, path, step(store, 1), stage)
+    _, learner, _ = await run_load(store, path, step(store, 2), stage)
+    assert learner.statistics().replayed == 1 and learner.statistics().strayed == 0
+    # one mount from here on: what a recording served is known to the mount that saw it
+    ckpt = step(store, 2)
+    kernel = Kernel(len(ckpt[1]))
+    sched = mount_scheduler(store, kernel)
+    learner = Learner(sched, path)
+    sched.watcher = learner
+    m, data, index = ckpt
+
+    async def load_parts(n: trio.Nursery, inode: int, parts: list[tuple[int, float, float]]) -> None:
+        reader = await sched.open(n, m, index, inode)
+        await trio.sleep(0.1)
+        for k, lo, hi in parts:
+            t = index.tensors[k]
+            assert await read_tensor(kernel, reader, t, lo, hi) == data[t.offset + int(lo * t.length):
+                                                                        t.offset + int(hi * t.length)]
+        await reader.aclose()
+        kernel.pages.clear()                          # the next load is cold again
+        sched.cache.clear()
+        await trio.sleep(2)
+
+    async with trio.open_nursery() as n:
+        await n.start(learner.run)
+        await load_parts(n, 1, stage)                 # served
+        await load_parts(n, 2, rest)                  # leaves it: it stays
+        s = learner.statistics()
+        assert (s.replayed, s.strayed, s.recordings) == (2, 1, 1)
+        store.log.clear()
+        await load_parts(n, 3, stage)                 # the stage at once again
+        assert learner.statistics().replayed == 3 and learner.statistics().strayed == 1
+        assert set(fetched(store, m)) == HEAD | chunks_of(1) | chunks_of(2)
+        await load_parts(n, 4, rest)                  # leaves it: served once since, it stays
+        await load_parts(n, 5, rest)                  # leaves it again, none served between: it goes
+        assert learner.statistics().strayed == 3 and learner.statistics().recordings == 0
+        n.cancel_scope.cancel()
+
+
 async def test_a_whole_load_is_recorded_as_such_and_replays_nothing(autojump_clock, tmp_path: Path):
     store = FakeStore(latency=0.008)
     path = tmp_path / "learned.json"
