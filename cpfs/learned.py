@@ -319,8 +319,8 @@ class Learner:
             try:
                 theirs = await self.shared.get(schema, unit)
                 mine = [r for r in reversed(self._recs.get(schema, [])) if r.unit == unit]     # newest first
-                keep = mine + [r for r in theirs if not any(m.landed(r.unit, r.at) for m in mine)
-                               and not any(abs(r.at - at) <= SLICE_TOLERANCE for at in dropped)]
+                keep = mine + [r for r in _newcomers(theirs, mine)
+                               if not any(abs(r.at - at) <= SLICE_TOLERANCE for at in dropped)]
                 await self.shared.put(schema, unit, keep[:PER_UNIT])
                 self._puts += 1
             except SharedError as e:
@@ -338,13 +338,13 @@ class Learner:
 
     def _shape(self, reader: FileReader) -> Shape | None:
         key = (reader.inode, reader.m.version)
-        if key not in self._shapes:
-            shape = Shape(reader.m, reader.index, reader.layout) if reader.index is not None else None
-            self._shapes[key] = shape if shape is not None and shape.schema is not None else None
-            while len(self._shapes) > SHAPES:
-                self._shapes.popitem(last=False)
-        self._shapes.move_to_end(key)
-        return self._shapes[key]
+        if key in self._shapes:
+            self._shapes.move_to_end(key)
+            return self._shapes[key]
+        shape = Shape(reader.m, reader.index, reader.layout) if reader.index is not None else None
+        shape = shape if shape is not None and shape.schema is not None else None
+        _remember(self._shapes, key, shape, SHAPES)
+        return shape
 
     def _keep(self, rec: Recording) -> None:
         """Add a recording, replacing the one of the same landing."""
@@ -396,10 +396,7 @@ class Learner:
         now = trio.current_time()
         if key in self._asked and now - self._asked[key] < SHARED_AGAIN:
             return False
-        self._asked[key] = now
-        self._asked.move_to_end(key)
-        while len(self._asked) > MAX_RECORDINGS:
-            self._asked.popitem(last=False)
+        _remember(self._asked, key, now, MAX_RECORDINGS)
         return True
 
     async def _land_shared(self, reader: FileReader, shape: Shape, key: tuple[str, str]) -> None:
@@ -415,21 +412,20 @@ class Learner:
             except SharedError as e:
                 self._share_errors += 1
                 log.warning("cannot read the shared learned prefetch plans: %s", e)
-        mine = self._recs.get(key[0], [])
-        new = [r for r in recs if not any(m.landed(r.unit, r.at) for m in mine)]
+        new = _newcomers(recs, self._recs.get(key[0], []))
         for r in reversed(new):                 # the object lists the newest first
             self._keep(r)
         self._got += len(new)
         if new:
             self._dirty.set()                   # kept in the local file too
-        if reader.closed or reader.planned or reader in self._plans or reader.landing is None:
+        if reader.closed or reader.planned or reader.landing is None:    # planned: it has a plan now
             return
         unit, at = reader.landing
         self._replay(reader, shape, self._match(shape, unit, at))
 
     def _replay(self, reader: FileReader, shape: Shape, got: tuple[Recording, bool] | None) -> None:
-        """Start the plan of a matched recording for this open (a whole load's: none)."""
-        if got is None or got[0].whole or self._nursery is None:
+        """Start the plan of a matched recording for this open, which has landed (a whole load's: none)."""
+        if got is None or got[0].whole or self._nursery is None or reader.landing is None:
             return
         rec, exact = got
         chunks = shape.chunks(rec)
@@ -440,7 +436,7 @@ class Learner:
         self._nursery.start_soon(p.run)
         self._replayed += 1
         log.info("%s: a load landed at %s (%.3f) as one of %s did: fetching the %d chunks (%.1f MiB) it read",
-                 reader.m.path, rec.unit, reader.landing[1] if reader.landing else rec.at, rec.source, len(chunks),
+                 reader.m.path, rec.unit, reader.landing[1], rec.source, len(chunks),
                  sum(reader.m.chunks[i].raw_len for i in chunks) / 2**20)
 
     def strayed(self, reader: FileReader, offset: int, end: int) -> None:
@@ -486,9 +482,7 @@ class Learner:
         if got is not None:
             self._ended.append(got[0])
             if got[2]:                          # an exact replay its reader did not leave: it served
-                self._served[got[1]] = self._served.pop(got[1], 0) + 1
-                while len(self._served) > MAX_RECORDINGS:
-                    self._served.popitem(last=False)
+                _remember(self._served, got[1], self._served.get(got[1], 0) + 1, MAX_RECORDINGS)
         if reader.planned or reader.landing is None:
             return
         used = reader.used_chunks()
@@ -507,6 +501,20 @@ class Learner:
             self._to_share.setdefault((shape.schema or "", shape.name(unit)), [])
         self._learned += 1
         self._dirty.set()
+
+
+def _newcomers(theirs: list[Recording], mine: list[Recording]) -> list[Recording]:
+    """Those of `theirs` (another host's) that landed where none of `mine` did: for a landing, the
+    recording made here wins."""
+    return [r for r in theirs if not any(m.landed(r.unit, r.at) for m in mine)]
+
+
+def _remember(table: OrderedDict, key: object, value: object, limit: int) -> None:
+    """Put `key` at the recent end of `table`, and the least recent entries beyond `limit` out."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)
 
 
 def encode(recs: list[Recording]) -> bytes:

@@ -120,8 +120,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     if lr := now.get("learned"):
         lines.append(f"learned prefetch: {lr['recordings']} loads kept, {lr['learned']} learned, "
                      f"{lr['replayed']} replayed ({lr['strayed']} left by their reader); shared: "
-                     f"{lr.get('shared_got', 0)} taken in {lr.get('shared_gets', 0)} gets, "
-                     f"{lr.get('shared_puts', 0)} puts, {lr.get('shared_errors', 0)} errors")
+                     f"{lr['shared_got']} taken in {lr['shared_gets']} gets, "
+                     f"{lr['shared_puts']} puts, {lr['shared_errors']} errors")
     batched = f" ({r['batched']} in {r['batch_reads']} batches)" if r.get("batch_reads") else ""
     lines.append(f"replicas: {r['reads']} reads{batched}, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
                  f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")

@@ -77,6 +77,18 @@ class MemoryShared:
         self.objects[(schema, unit)] = list(recs)
 
 
+async def read_parts(kernel: Kernel, reader, ckpt, parts: list[tuple[int, float, float]],
+                     compute: float = 0.0) -> None:
+    """Read `parts` ((tensor, from, to) fractions) of `ckpt` through `reader`, each equal to the
+    checkpoint's bytes, computing `compute` seconds after each."""
+    _, data, index = ckpt
+    for k, lo, hi in parts:
+        t = index.tensors[k]
+        got = await read_tensor(kernel, reader, t, lo, hi)
+        assert got == data[t.offset + int(lo * t.length):t.offset + int(hi * t.length)]
+        await trio.sleep(compute)
+
+
 async def run_load(store: FakeStore, path: Path, ckpt, parts: list[tuple[int, float, float]], inode: int = 1,
                    compute: float = 0.02, shared: MemoryShared | None = None) -> tuple[float, Learner, Scheduler]:
     """A fresh mount (scheduler, cache, page cache; the learner reading `path`, sharing through `shared`)
@@ -92,11 +104,7 @@ async def run_load(store: FakeStore, path: Path, ckpt, parts: list[tuple[int, fl
         reader = await sched.open(n, m, index, inode)
         await trio.sleep(0.1)                  # open: the head arrives
         t0 = trio.current_time()
-        for k, lo, hi in parts:
-            t = index.tensors[k]
-            got = await read_tensor(kernel, reader, t, lo, hi)
-            assert got == data[t.offset + int(lo * t.length):t.offset + int(hi * t.length)]
-            await trio.sleep(compute)
+        await read_parts(kernel, reader, ckpt, parts, compute)
         took = trio.current_time() - t0
         await reader.aclose()
         await trio.sleep(2)                    # the recording is kept and written
@@ -281,15 +289,12 @@ async def test_a_recording_that_served_its_landing_stays_when_a_whole_load_leave
     sched = mount_scheduler(store, kernel)
     learner = Learner(sched, path)
     sched.watcher = learner
-    m, data, index = ckpt
+    m, _, index = ckpt
 
     async def load_parts(n: trio.Nursery, inode: int, parts: list[tuple[int, float, float]]) -> None:
         reader = await sched.open(n, m, index, inode)
         await trio.sleep(0.1)
-        for k, lo, hi in parts:
-            t = index.tensors[k]
-            assert await read_tensor(kernel, reader, t, lo, hi) == data[t.offset + int(lo * t.length):
-                                                                        t.offset + int(hi * t.length)]
+        await read_parts(kernel, reader, ckpt, parts)
         await reader.aclose()
         kernel.pages.clear()                          # the next load is cold again
         sched.cache.clear()
@@ -339,10 +344,7 @@ async def test_two_ranks_reading_one_file_each_follow_their_own_learned_plan(aut
 
     async def rank(parts) -> None:
         reader = await sched.open(n, m, index, 1)
-        for k, lo, hi in parts:
-            t = index.tensors[k]
-            assert await read_tensor(kernel, reader, t, lo, hi) == data[t.offset:t.offset + t.length]
-            await trio.sleep(0.02)
+        await read_parts(kernel, reader, ckpt, parts, compute=0.02)
         await reader.aclose()
 
     async with trio.open_nursery() as n:
