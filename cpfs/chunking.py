@@ -43,7 +43,11 @@ _INF = 1 << 62                     # beyond any file
 _U32 = 0xFFFFFFFF
 _LOCAL = b"PK\x03\x04"             # zip local file header
 _DESCRIPTOR = b"PK\x07\x08"        # zip data descriptor
-_AFTER_MEMBER = (_LOCAL, b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06")
+_CENTRAL = b"PK\x01\x02"          # central directory entry
+_END64 = b"PK\x06\x06"            # zip64 end record
+_END = b"PK\x05\x06"              # end of central directory
+_AFTER_MEMBER = (_LOCAL, _CENTRAL, _END, _END64)
+_ZIP_END = {_CENTRAL: 46, _END64: 12, b"PK\x06\x07": 20, _END: 22}   # what ends a zip: fixed sizes
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _SCAN_BLOCK = 1 << 20
 
@@ -131,7 +135,8 @@ class BoundaryScanner:
     byte for that signature cost the daemon ~0.9 CPU-s per GiB saved, holding the GIL; but torch.save
     writes data.pkl first, and its persistent ids give every storage record's length, so the records
     after it are skipped to where their descriptor must be (`_zip_skip`), and only that is read.
-    Anything else yields no cut points (fixed-size chunks).
+    Zips back to back (a torch.distributed.checkpoint `.distcp` file) are followed one after another
+    through their directories and end records. Anything else yields no cut points (fixed-size chunks).
 
     `advance` is blocking (it reads through `read_at`): run it in a thread. It decides only on bytes
     that exist, so advancing in steps over a growing file gives what one pass over the finished file
@@ -206,7 +211,7 @@ class BoundaryScanner:
             return _INF
         if self._state in ("zip_data", "zip_skip"):
             return self._member
-        return self._at if self._state == "zip_header" else 0
+        return self._at if self._state in ("zip_header", "zip_end") else 0
 
     def inside_record(self, start: int, end: int) -> bool:
         """Whether bytes [start, end) lie within one of `interiors`."""
@@ -268,8 +273,11 @@ class BoundaryScanner:
         if not self._have(h + 30, limit, eof):
             return False
         fixed = self._read(read_at, h, 30)
-        if fixed[:4] != _LOCAL:  # the central directory, or not a zip we understand: no more cuts
-            self._finish()
+        if fixed[:4] != _LOCAL:  # the central directory, or not a zip we understand
+            if fixed[:4] in _ZIP_END:
+                self._state = "zip_end"
+            else:
+                self._finish()
             return True
         _, _, flags, _, _, _, _, comp, uncomp, nlen, elen = _LOCAL_HEADER.unpack(fixed)
         data = h + 30 + nlen + elen
@@ -290,6 +298,35 @@ class BoundaryScanner:
             comp = zip64_extra(self._read(read_at, h + 30 + nlen, elen), uncomp, comp)[1]
         self._add(data, comp)
         self._at = data + comp
+        return True
+
+    def _zip_end(self, read_at: ReadAt, limit: int, eof: bool) -> bool:
+        """Past a zip's central directory and end records, each of which says how long it is. If
+        another zip follows (torch.distributed.checkpoint's `.distcp` files: a torch.save per item,
+        back to back), its members are cut as the first zip's were; anything else ends the scan."""
+        h = self._at
+        self.known_upto = h
+        if not self._have(h + 4, limit, eof):
+            return False
+        sig = self._read(read_at, h, 4)
+        if sig == _LOCAL:
+            self._state, self._sizes, self._pickle = "zip_header", {}, None
+            return True
+        fixed = _ZIP_END.get(sig)
+        if fixed is None:
+            self._finish()
+            return True
+        if not self._have(h + fixed, limit, eof):
+            return False
+        head = self._read(read_at, h, fixed)
+        if sig == _CENTRAL:
+            self._at = h + fixed + sum(struct.unpack_from("<HHH", head, 28))
+        elif sig == _END64:
+            self._at = h + fixed + struct.unpack_from("<Q", head, 4)[0]
+        elif sig == _END:
+            self._at = h + fixed + struct.unpack_from("<H", head, 20)[0]
+        else:
+            self._at = h + fixed
         return True
 
     def _zip_data(self, read_at: ReadAt, limit: int, eof: bool) -> bool:

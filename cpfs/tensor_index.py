@@ -233,8 +233,21 @@ def _read_exact(read_at: ReadAt, offset: int, length: int) -> bytes:
 
 # --- zip -------------------------------------------------------------------
 
-def _zip_directory(read_at: ReadAt, size: int) -> tuple[int, int, int]:
-    """Return (central directory offset, size, entry count), zip64-aware."""
+class ZipEnd(NamedTuple):
+    """What a zip's end records say: where its central directory is (in the file), how long it is,
+    how many entries it has, and `base`, the bytes of other data before the zip. A zip's offsets count
+    from its own start, and a zip may follow other data: torch.distributed.checkpoint's `.distcp` files
+    are one torch.save per item, back to back, so their end records are the last item's."""
+    cd_offset: int
+    cd_size: int
+    count: int
+    base: int
+
+
+def _zip_directory(read_at: ReadAt, size: int) -> ZipEnd:
+    """The end records of the zip that ends the file, zip64-aware. Whether its central directory
+    starts where they say is the caller's to check (`base` comes from where the end records are, as
+    Python's zipfile finds a zip appended to other data: the directory is right before them)."""
     tail_len = min(size, 22 + 0xFFFF)
     tail = _read_exact(read_at, size - tail_len, tail_len)
     # The end record is the last signature whose comment length reaches EOF exactly.
@@ -246,27 +259,39 @@ def _zip_directory(read_at: ReadAt, size: int) -> tuple[int, int, int]:
         raise _Malformed("no end-of-central-directory record")
     eocd = size - tail_len + pos
     _, disk, cd_disk, _, count, cd_size, cd_offset, _ = struct.unpack_from("<IHHHHIIH", tail, pos)
+    end = eocd                    # where the directory ends: the first end record
     if eocd >= 20:
         loc = _read_exact(read_at, eocd - 20, 20)
         if loc[:4] == b"PK\x06\x07":
-            rec_off = struct.unpack_from("<Q", loc, 8)[0]
-            rec = _read_exact(read_at, rec_off, 56)
-            if rec[:4] != b"PK\x06\x06":
+            rec_off = struct.unpack_from("<Q", loc, 8)[0]       # from the zip's start
+            # Right before the locator (every writer but one with zip64 extensible data), else where
+            # the locator says, for a zip at the file's start.
+            for rec_at in dict.fromkeys((eocd - 76, rec_off)):
+                if 0 <= rec_off <= rec_at and _read_exact(read_at, rec_at, 4) == b"PK\x06\x06":
+                    break
+            else:
                 raise _Malformed("bad zip64 end record")
             (_, _, _, _, disk, cd_disk, _, count, cd_size,
-             cd_offset) = struct.unpack("<IQHHIIQQQQ", rec)
-            eocd = rec_off
+             cd_offset) = struct.unpack("<IQHHIIQQQQ", _read_exact(read_at, rec_at, 56))
+            end = rec_at
     if disk or cd_disk:
         raise _Malformed("multi-disk zip")
-    if cd_offset + cd_size > eocd or cd_size > _MAX_CENTRAL_DIR:
+    if cd_offset + cd_size > end or cd_size > _MAX_CENTRAL_DIR:
         raise _Malformed("central directory out of range")
-    return cd_offset, cd_size, count
+    base = end - cd_size - cd_offset
+    if base and (not count or (_read_exact(read_at, end - cd_size, 4) != b"PK\x01\x02"
+                               and _read_exact(read_at, cd_offset, 4) == b"PK\x01\x02")):
+        base = 0                  # a zip at the file's start with bytes between its directory and end
+    return ZipEnd(base + cd_offset, cd_size, count, base)
 
 
 def _zip_records(read_at: ReadAt, size: int) -> tuple[list[Record], int]:
     """Every member with its absolute data offset (from the LOCAL header, which
     torch pads with extra bytes for alignment), plus the directory offset."""
-    cd_offset, cd_size, count = _zip_directory(read_at, size)
+    cd_offset, cd_size, count, base = _zip_directory(read_at, size)
+    if base:
+        raise _Malformed(f"a zip after {base} bytes of other data (back-to-back torch.save items, as "
+                         f"torch.distributed.checkpoint writes): one zip's index would miss the rest")
     cd = _read_exact(read_at, cd_offset, cd_size)
     records, pos = [], 0
     for _ in range(count):
