@@ -1,8 +1,9 @@
 """Partial loads: bytes fetched from the stores against the bytes a process read (not a test: it prints).
 
 A training checkpoint (bf16 model weights and fp32 Adam moments for every parameter, so the weights are
-~20% of the bytes; 16 layers) is written locally as `.pt` (torch.save) and `.safetensors`, imported into
-three folder stores, and read by a fresh python through a fresh mount (kernel caches dropped) in these
+~20% of the bytes; 16 layers) is written locally as `.pt` (torch.save), `.safetensors` and a
+torch.distributed.checkpoint folder (`dcp`: dcp.save of one process, a `.distcp` data file and its
+`.metadata`), imported into three folder stores, and read by a fresh python through a fresh mount (kernel caches dropped) in these
 ways:
 
 - weights:  only the model weights (`sd["model"]`; safetensors: the `model.*` keys);
@@ -10,6 +11,10 @@ ways:
 - slice:    rank 3 of 8 (`--rank`): its 1/8 row slice of every 2-D tensor (safetensors `get_slice`),
             the 1-D tensors whole (tensor-parallel resume);
 - full:     everything (`.pt`: a plain torch.load; safetensors: every `get_tensor`).
+
+`dcp` runs the weights, stage and full cases only (dcp.load of those keys), never declared or learned:
+its data file has no tensor index (the tensor names live in `.metadata`), so the mount follows the
+reads alone. What it read is `.metadata` and the items of those keys, from DCP's own metadata.
 
 With --declare, the weights, stage and full cases run a second time with the reader declaring its
 tensors first (`user.cpfs.prefetch`, cpfs/plan.py: globs such as `model.*`, set inside the timing, then
@@ -41,6 +46,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +61,8 @@ STAGE = 3                    # layers 6 and 7 of 16
 RANKS = 8
 RANK = 3                     # a middle rank: its slices start inside tensors, not on chunk cuts (--rank)
 CASES = ("weights", "stage", "slice", "full")
-FORMATS = ("safetensors", "pt")
+FORMATS = ("safetensors", "pt", "dcp")
+DCP_DATA = "__0_0.distcp"    # the data file of a one-process dcp.save
 CHUNK = 4 * MiB              # the default chunk size (the configs here keep it)
 DATA = ROOT / "demo-data" / "partial"
 LOCAL_HEADER = 64            # a torch zip record's local header ends where its data starts (64-aligned)
@@ -118,17 +125,38 @@ def make_files(size: int) -> dict[str, Path]:
     from safetensors.torch import save_file
 
     tag = human(size).replace(" ", "").replace(".00", "")
-    paths = {"pt": DATA / f"train_{tag}.pt", "safetensors": DATA / f"train_{tag}.safetensors"}
-    if all(p.exists() for p in paths.values()):
+    paths = {"pt": DATA / f"train_{tag}.pt", "safetensors": DATA / f"train_{tag}.safetensors",
+             "dcp": DATA / f"train_{tag}.dcp"}
+    if all(p.exists() for p in paths.values()) and (paths["dcp"] / ".metadata").exists():
         return paths
     DATA.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     sd = build(size)
     torch.save(sd, paths["pt"])
     save_file({k: v.contiguous() for k, v in flatten(sd).items()}, str(paths["safetensors"]))
-    print(f"generated {paths['pt'].name} ({human(paths['pt'].stat().st_size)}) and {paths['safetensors'].name} "
-          f"({human(paths['safetensors'].stat().st_size)}) in {time.perf_counter() - t0:.1f} s")
+    remove_tree(paths["dcp"])
+    dcp_save(flatten(sd), paths["dcp"])
+    print(f"generated {paths['pt'].name} ({human(paths['pt'].stat().st_size)}), {paths['safetensors'].name} "
+          f"({human(paths['safetensors'].stat().st_size)}) and {paths['dcp'].name}/ in {time.perf_counter() - t0:.1f} s")
     return paths
+
+
+def dcp_save(flat: dict[str, Any], folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # "torch.distributed is ... uninitialized": one process
+        dcp.save(flat, checkpoint_id=str(folder))
+
+
+def dcp_items(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every key's (offset, length) in the data file, from DCP's `.metadata`."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        md = dcp.FileSystemReader(str(folder)).read_metadata()
+    return {k.fqn: (v.offset, v.length) for k, v in md.storage_data.items() if v.relative_path == DCP_DATA}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,7 +205,20 @@ def _child(fmt: str, case: str, path: str, rank: int = RANK, declare: str = "") 
     t0 = time.perf_counter()
     if declare:
         os.setxattr(path, "user.cpfs.prefetch", declare.encode())
-    if fmt == "safetensors":
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            md = dcp.FileSystemReader(path).read_metadata()
+            names = list(md.state_dict_metadata)
+            sd = {n: torch.empty(md.state_dict_metadata[n].size, dtype=md.state_dict_metadata[n].properties.dtype)
+                  for n in (wanted(case, names) if case != "full" else names)}
+            dcp.load(sd, checkpoint_id=path)
+        for name, t in sd.items():
+            got.append([name, None, None])
+            checksum += float(t.float().sum())
+    elif fmt == "safetensors":
         from safetensors import safe_open
 
         with safe_open(path, "pt") as f:
@@ -358,17 +399,22 @@ def run(args: argparse.Namespace) -> int:
         for fmt in args.formats:
             ensure_imported(paths[fmt], f"/{paths[fmt].name}", cfg)
         for fmt in args.formats:
-            index = index_file(paths[fmt])
-            if index is None:
-                raise BenchError(f"{paths[fmt]} has no tensor index")
             from .common import cpfs
-            chunks = [c[1] for c in json.loads(cpfs("inspect", "--json", f"/{paths[fmt].name}", config=cfg).stdout)["chunks"]]
-            names = [t.name for t in index.tensors]
-            runs = [(case, "", False) for case in args.cases]
-            if args.declare:
-                runs += [(case, "\n".join(declared(case, names)), False) for case in args.cases if case != "slice"]
-            if args.learn:
-                runs += [(case, "", True) for case in args.cases if case != "full"]
+            data = f"/{paths[fmt].name}" + (f"/{DCP_DATA}" if fmt == "dcp" else "")
+            chunks = [c[1] for c in json.loads(cpfs("inspect", "--json", data, config=cfg).stdout)["chunks"]]
+            if fmt == "dcp":
+                index, items = None, dcp_items(paths[fmt])
+                runs = [(case, "", False) for case in args.cases if case != "slice"]
+            else:
+                index, items = index_file(paths[fmt]), {}
+                if index is None:
+                    raise BenchError(f"{paths[fmt]} has no tensor index")
+                names = [t.name for t in index.tensors]
+                runs = [(case, "", False) for case in args.cases]
+                if args.declare:
+                    runs += [(case, "\n".join(declared(case, names)), False) for case in args.cases if case != "slice"]
+                if args.learn:
+                    runs += [(case, "", True) for case in args.cases if case != "full"]
             for case, declare, learn in runs:
                 child = [sys.executable, "-m", "benchmarks.bench_partial", "child", fmt, case,
                          str(mp / paths[fmt].name), str(args.rank), declare]
@@ -388,11 +434,19 @@ def run(args: argparse.Namespace) -> int:
                     print_daemon_report(m, f"{fmt} {case}", tail=20)
                 fetched = (sum(s["bytes_read"] for s in after["stores"])
                            - sum(s["bytes_read"] for s in before["stores"]))
-                ranges = read_ranges(index, r["read"])
-                res = Result(fmt, case, paths[fmt].stat().st_size, sum(e - s for s, e in ranges), len(ranges),
-                             fetched, touched(chunks, ranges), after["replicas"]["hedges"] - before["replicas"]["hedges"],
+                if fmt == "dcp":            # the items asked for, and all of .metadata (a file of its own)
+                    ranges = merge([(items[n][0], sum(items[n])) for n, _, _ in r["read"]], gap=4096)
+                    meta = (paths[fmt] / ".metadata").stat().st_size
+                    size = meta + (paths[fmt] / DCP_DATA).stat().st_size
+                    read, spans, least = sum(e - s for s, e in ranges) + meta, len(ranges) + 1, touched(chunks, ranges) + meta
+                else:
+                    ranges = read_ranges(index, r["read"])
+                    size, read, spans, least = (paths[fmt].stat().st_size, sum(e - s for s, e in ranges), len(ranges),
+                                                touched(chunks, ranges))
+                res = Result(fmt, case, size, read, spans, fetched, least,
+                             after["replicas"]["hedges"] - before["replicas"]["hedges"],
                              sum(f["fetched_bytes"] for f in after["scheduler"].get("files", [])
-                                 if f["path"] == f"/{paths[fmt].name}"),
+                                 if f["path"] == data),
                              r["seconds"], after["scheduler"].get("files", []), bool(declare), learn)
                 results.append(res)
                 print(f"  {fmt:<11} {res.name:<16} read {human(res.read):>11} in {res.ranges:>3} ranges, fetched "
