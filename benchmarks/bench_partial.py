@@ -12,9 +12,9 @@ ways:
             the 1-D tensors whole (tensor-parallel resume);
 - full:     everything (`.pt`: a plain torch.load; safetensors: every `get_tensor`).
 
-`dcp` runs the weights, stage and full cases only (dcp.load of those keys), never declared or learned:
-its data file has no tensor index (the tensor names live in `.metadata`), so the mount follows the
-reads alone. What it read is `.metadata` and the items of those keys, from DCP's own metadata.
+`dcp` runs the weights, stage and full cases only (dcp.load of those keys), never declared: its data
+file's tensor index names each item by its number in the file (the state dict's names live in
+`.metadata`). What it read is `.metadata` and the items of those keys, from DCP's own metadata.
 
 With --declare, the weights, stage and full cases run a second time with the reader declaring its
 tensors first (`user.cpfs.prefetch`, cpfs/plan.py: globs such as `model.*`, set inside the timing, then
@@ -198,6 +198,8 @@ def _child(fmt: str, case: str, path: str, rank: int = RANK, declare: str = "") 
     `rank`: the slice case's rank; `declare`: tensor-name globs (lines) declared to the mount first,
     inside the timing."""
     import torch
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp     # ~2 s of imports, outside the timing as torch's are
 
     note = drop_caches()
     got: list[list[Any]] = []
@@ -206,8 +208,6 @@ def _child(fmt: str, case: str, path: str, rank: int = RANK, declare: str = "") 
     if declare:
         os.setxattr(path, "user.cpfs.prefetch", declare.encode())
     if fmt == "dcp":
-        import torch.distributed.checkpoint as dcp
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             md = dcp.FileSystemReader(path).read_metadata()
@@ -404,17 +404,19 @@ def run(args: argparse.Namespace) -> int:
             chunks = [c[1] for c in json.loads(cpfs("inspect", "--json", data, config=cfg).stdout)["chunks"]]
             if fmt == "dcp":
                 index, items = None, dcp_items(paths[fmt])
-                runs = [(case, "", False) for case in args.cases if case != "slice"]
+                cases = [case for case in args.cases if case != "slice"]
+                runs = [(case, "", False) for case in cases]
             else:
                 index, items = index_file(paths[fmt]), {}
                 if index is None:
                     raise BenchError(f"{paths[fmt]} has no tensor index")
                 names = [t.name for t in index.tensors]
-                runs = [(case, "", False) for case in args.cases]
+                cases = list(args.cases)
+                runs = [(case, "", False) for case in cases]
                 if args.declare:
-                    runs += [(case, "\n".join(declared(case, names)), False) for case in args.cases if case != "slice"]
-                if args.learn:
-                    runs += [(case, "", True) for case in args.cases if case != "full"]
+                    runs += [(case, "\n".join(declared(case, names)), False) for case in cases if case != "slice"]
+            if args.learn:
+                runs += [(case, "", True) for case in cases if case != "full"]
             for case, declare, learn in runs:
                 child = [sys.executable, "-m", "benchmarks.bench_partial", "child", fmt, case,
                          str(mp / paths[fmt].name), str(args.rank), declare]

@@ -73,7 +73,7 @@ def tensor_boundaries(index: TensorIndex | None, chunk_size: int) -> list[int]:
     `record_cuts` places them."""
     if index is None:
         return []
-    member = index.format == "torch-zip"
+    member = index.format in ("torch-zip", "torch-dcp")
     if member:
         spans: Iterable[tuple[int, int]] = ((r.offset, r.length) for r in index.records)
     else:

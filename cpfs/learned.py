@@ -185,8 +185,11 @@ class Shape:
         if index.format == "safetensors":
             by_span = {(t.offset, t.length): t.name for t in index.tensors}
             names = [by_span.get((u.offset, u.length)) for u in layout.units]
-        else:       # torch: a storage record's name after "/data/" (the archive's root is the file's name)
-            by_offset = {r.offset: r.name.rsplit("/data/", 1)[-1] for r in index.records if "/data/" in r.name}
+        else:       # torch: a storage record's name after "/data/" (the archive's root is the file's name);
+            # torch-dcp: its item's number in the file (each item's one storage is "0")
+            dcp = index.format == "torch-dcp"
+            by_offset = {r.offset: r.name.split("/", 1)[0] if dcp else r.name.rsplit("/data/", 1)[-1]
+                         for r in index.records if "/data/" in r.name}
             names = [by_offset.get(u.offset) for u in layout.units]
         unique = None not in names and len(set(names)) == len(names)     # else no schema: nothing is learned
         self.names: list[str] | None = names if unique else None  # type: ignore[assignment]

@@ -486,7 +486,7 @@ class FileReader:
             self.pref.append(pref)
         self._head = frozenset(self.layout.head)
         self._unit_starts = [u.offset for u in self.layout.units]
-        self._zipped = fmt == "torch-zip"           # records have zip local headers (`_at_header`)
+        self._zipped = fmt in ("torch-zip", "torch-dcp")    # records have zip local headers (`_at_header`)
         self._loader_rank = {self.layout.units[u]: k for k, u in enumerate(self.layout.loader_units)}
         self.initial = cfg.readahead_initial
         self.slack = cfg.read_ahead_kb * 1024     # the kernel reads this far past what the reader touches

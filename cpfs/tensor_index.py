@@ -3,7 +3,8 @@
 The readahead scheduler uses it to fetch bytes in the order ``torch.load`` reads
 them, and the chunker uses it to cut chunks at tensor boundaries. It is only a
 hint, so anything unexpected yields ``None`` instead of an exception. Torch
-checkpoints are parsed without importing torch and without running pickle code:
+checkpoints (and torch.distributed.checkpoint's `.distcp` files: a torch.save per item, back to
+back, format ``torch-dcp``) are parsed without importing torch and without running pickle code:
 the zip is read with ``struct`` and ``data.pkl`` is interpreted opcode by opcode
 over inert stubs, with allow-listed globals only. The work and memory it takes
 are bounded per byte of input; a file over budget is left unindexed (a warning),
@@ -46,7 +47,11 @@ _SAFETENSORS_DTYPES = {
     "C64": "complex64", "C128": "complex128", "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }
-_FORMATS = ("torch-zip", "safetensors")
+_FORMATS = ("torch-zip", "safetensors", "torch-dcp")
+_MAX_DCP_ITEMS = 1 << 20   # torch.save zips back to back in one file (torch-dcp)
+# torch-dcp keeps an item's small records out of its index (hundreds of items, seven records each):
+# the smallest chunk_size (64 KiB) cuts no record under an eighth of it, and nothing else reads them.
+_DCP_KEEP = 8 * 1024
 # Caps keep a hostile file from making the indexer allocate or loop without bound.
 MAX_PICKLE = 64 << 20
 _MAX_CENTRAL_DIR = 64 << 20
@@ -163,6 +168,12 @@ class TensorIndex:
             ranges = [(r.offset, r.length) for r in self.records]
             ranges += [(t.offset, t.length) for t in self._overlap_table[0]]
             return [r for r in ranges if r[1] > 0]
+        if self.format == "torch-dcp":
+            # Item by item in file order (the saver's state dict order), only the data: each item's zip
+            # headers are read just before its data, and only for the items a load wants (no head).
+            # dcp.load takes its items by sorted name, which only `.metadata` holds: the readahead
+            # follows its jumps between runs of the file.
+            return [(r.offset, r.length) for r in self.records if _is_data(r.name) and r.length > 0]
         ranges = []
         if self.file_size > self.directory_offset:
             # The loader looks for the end record in the file's last EOCD_SEARCH bytes before it reads
@@ -187,6 +198,8 @@ class TensorIndex:
         """Data offsets of non-empty storages (safetensors: tensors), for chunk cuts."""
         if self.format == "safetensors":
             return sorted({t.offset for t in self.tensors if t.length > 0})
+        if self.format == "torch-dcp":
+            return sorted({r.offset for r in self.records if _is_data(r.name) and r.length > 0})
         prefix = f"{_torch_root(self.records)}/data/"
         return sorted({r.offset for r in self.records
                        if r.name.startswith(prefix) and r.length > 0})
@@ -248,13 +261,19 @@ def _zip_directory(read_at: ReadAt, size: int) -> ZipEnd:
     """The end records of the zip that ends the file, zip64-aware. Whether its central directory
     starts where they say is the caller's to check (`base` comes from where the end records are, as
     Python's zipfile finds a zip appended to other data: the directory is right before them)."""
-    tail_len = min(size, 22 + 0xFFFF)
+    # An end record without a comment (torch's) is the last 22 bytes: read those first, and search the
+    # tail a comment may take only if they are not one (torch-dcp looks for hundreds of end records).
+    tail_len = min(size, 22)
     tail = _read_exact(read_at, size - tail_len, tail_len)
-    # The end record is the last signature whose comment length reaches EOF exactly.
-    pos = tail.rfind(b"PK\x05\x06")
-    while pos >= 0 and (pos + 22 > tail_len or
-                        pos + 22 + struct.unpack_from("<H", tail, pos + 20)[0] != tail_len):
-        pos = tail.rfind(b"PK\x05\x06", 0, pos)
+    pos = 0 if tail_len == 22 and tail[:4] == b"PK\x05\x06" and tail[20:22] == b"\0\0" else -1
+    if pos < 0:
+        tail_len = min(size, 22 + 0xFFFF)
+        tail = _read_exact(read_at, size - tail_len, tail_len)
+        # The end record is the last signature whose comment length reaches EOF exactly.
+        pos = tail.rfind(b"PK\x05\x06")
+        while pos >= 0 and (pos + 22 > tail_len or
+                            pos + 22 + struct.unpack_from("<H", tail, pos + 20)[0] != tail_len):
+            pos = tail.rfind(b"PK\x05\x06", 0, pos)
     if pos < 0:
         raise _Malformed("no end-of-central-directory record")
     eocd = size - tail_len + pos
@@ -750,6 +769,43 @@ def _build_torch(read_at: ReadAt, size: int) -> TensorIndex:
     return TensorIndex("torch-zip", tuple(records), tuple(tensors), size, cd_offset)
 
 
+def _is_data(name: str) -> bool:
+    """A storage record: `<root>/data/<key>` (torch-dcp: `<item>/<root>/data/<key>`)."""
+    return "/data/" in name
+
+
+def _build_dcp(read_at: ReadAt, size: int, last: ZipEnd) -> TensorIndex:
+    """torch.distributed.checkpoint's `.distcp` file: zips back to back, each a torch.save of one item
+    (a tensor, or a pickled object). Each zip ends where the next starts, so they are found from the
+    file's end, each end record giving its zip's start (`ZipEnd.base`); the first starts at 0. Each is
+    indexed as a torch zip of its own, its record and tensor names prefixed with its number in the
+    file (`<k>/archive/data/0`, tensor `<k>`: the state dict's names live in the checkpoint's
+    `.metadata`, another file); of its records, only the storages and those of `_DCP_KEEP` bytes or
+    more are kept. An item that is not a torch.save we read (a pickled object of a class we do not
+    allow) gives its zip members and no tensor."""
+    spans: list[tuple[int, int]] = [(last.base, size)]
+    while spans[-1][0] > 0:
+        if len(spans) >= _MAX_DCP_ITEMS:
+            raise _GaveUp(f"over {_MAX_DCP_ITEMS} zips back to back")
+        end = spans[-1][0]
+        spans.append((_zip_directory(read_at, end).base, end))
+    records: list[Record] = []
+    tensors: list[TensorEntry] = []
+    for k, (base, end) in enumerate(reversed(spans)):
+        def sub(offset: int, length: int, base: int = base, end: int = end) -> bytes:
+            return read_at(base + offset, max(0, min(length, end - base - offset)))
+        try:
+            item = _build_torch(sub, end - base)
+            members, found = item.records, item.tensors
+        except _Malformed:
+            members, found = tuple(_zip_records(sub, end - base)[0]), ()
+        records += [Record(f"{k}/{r.name}", base + r.offset, r.length) for r in members
+                    if _is_data(r.name) or r.length >= _DCP_KEEP]
+        tensors += [TensorEntry(f"{k}.{t.name}" if t.name else f"{k}", t.dtype, t.shape, t.stride,
+                                f"{k}/{t.storage_key}", base + t.offset, t.length) for t in found]
+    return TensorIndex("torch-dcp", tuple(records), tuple(tensors), size, size)
+
+
 def storage_sizes(pickle: bytes) -> dict[str, int]:
     """Byte length of every storage a torch `data.pkl` names (numel x itemsize, from its persistent
     ids): where each `data/<key>` record ends, known as soon as the pickle is written (torch.save writes
@@ -813,7 +869,7 @@ def _build_safetensors(read_at: ReadAt, size: int) -> TensorIndex:
 
 
 def build_index(read_at: ReadAt, size: int, name: str = "") -> TensorIndex | None:
-    """Detect torch-zip or safetensors from the bytes and index it; else None.
+    """Detect torch-zip, torch-dcp or safetensors from the bytes and index it; else None.
 
     Blocking, and bounded by the file's size (see _Budget): run it in a worker thread. `name`
     only labels the warning logged when a checkpoint is too costly to index."""
@@ -821,7 +877,8 @@ def build_index(read_at: ReadAt, size: int, name: str = "") -> TensorIndex | Non
     try:
         head = _read_exact(read_at, 0, min(size, 9))
         if head[:4] == b"PK\x03\x04":
-            return _build_torch(read_at, size)
+            last = _zip_directory(read_at, size)
+            return _build_dcp(read_at, size, last) if last.base else _build_torch(read_at, size)
         if head[8:9] == b"{":
             return _build_safetensors(read_at, size)
         log.debug("no tensor index for %s: unrecognised format", label)

@@ -101,8 +101,10 @@ def test_the_scanner_cuts_each_item_as_a_torch_save_of_its_own(saved, chunk_size
         assert index is not None
         expected += [offset + b for b in tensor_boundaries(index, chunk_size)]
     assert len(expected) >= 24                       # the 1 MiB layers are cut at both ends
-    assert build_index(read_at, len(data)) is None   # no index of one zip stands for the file
     assert cut_points(read_at, len(data), None, chunk_size) == expected
+    index = build_index(read_at, len(data))
+    assert index is not None and index.format == "torch-dcp"
+    assert cut_points(read_at, len(data), index, chunk_size) == expected     # `cpfs put` cuts alike
 
     stepped, rng, limit = BoundaryScanner(chunk_size), random.Random(3), 0
     while limit < len(data):                         # as the bytes arrive through a mount
@@ -112,6 +114,62 @@ def test_the_scanner_cuts_each_item_as_a_torch_save_of_its_own(saved, chunk_size
                [b for b in expected if b < min(stepped.known_upto, limit)]
     stepped.advance(read_at, len(data), eof=True, budget=1 << 40)
     assert stepped.boundaries == expected
+
+
+def test_the_index_of_a_distcp_file_is_its_items_tensors(saved) -> None:
+    """Item k's tensor, named "k", at the bytes DCP's metadata gives it (past its zip headers); its
+    dtype and shape as saved; the readahead's units are the items' storages in file order."""
+    folder, data, spans = saved
+    index = build_index(lambda o, n: data[o:o + n], len(data))
+    assert index is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        md = dcp.FileSystemReader(str(folder)).read_metadata()
+    state = {"model." + k: v for k, v in train_state(1)["model"].items()}
+    state |= {"optim.exp_avg." + k: v for k, v in train_state(1)["optim"]["exp_avg"].items()}
+    fqn_at = {s.offset: k.fqn for k, s in md.storage_data.items()}
+    tensors = {t.name: t for t in index.tensors}
+    for k, (offset, length) in enumerate(spans):
+        fqn = fqn_at[offset]
+        if fqn not in state:                 # "optim.step", "optim.lr": pickled values, no tensor
+            continue
+        t, want = tensors[str(k)], state[fqn]
+        assert offset < t.offset and t.offset + t.length <= offset + length
+        assert t.shape == tuple(want.shape) and t.dtype == str(want.dtype).removeprefix("torch.")
+        assert data[t.offset:t.offset + t.length] == want.contiguous().view(torch.uint8).numpy().tobytes(), fqn
+    assert index.read_order() == sorted(index.read_order())
+    assert len(index.record_starts()) == len([t for t in index.tensors if t.length])
+
+
+def test_an_item_that_is_no_torch_save_we_read_gives_no_tensor_and_the_others_are_indexed() -> None:
+    """Zips back to back where the middle one is a plain zip (no data.pkl): the tensors of the others,
+    at their bytes; a file whose last zip claims to start past its own end: no index, no error."""
+    import io
+    import zipfile
+
+    def saved(t: torch.Tensor) -> bytes:
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return buf.getvalue()
+
+    plain = io.BytesIO()
+    with zipfile.ZipFile(plain, "w") as z:
+        z.writestr("notes.txt", b"x" * 20_000)
+    a, b = torch.arange(50_000, dtype=torch.float32), torch.ones(3, 7, dtype=torch.bfloat16)
+    parts = [saved(a), plain.getvalue(), saved(b)]
+    data = b"".join(parts)
+    index = build_index(lambda o, n: data[o:o + n], len(data))
+    assert index is not None and index.format == "torch-dcp"
+    assert [(t.name, t.shape) for t in index.tensors] == [("0", (50_000,)), ("2", (3, 7))]
+    for t, want in zip(index.tensors, (a, b)):
+        assert data[t.offset:t.offset + t.length] == want.view(torch.uint8).numpy().tobytes()
+    assert any(r.name == "1/notes.txt" for r in index.records)          # 20 KB: kept (cuts may fall there)
+    bogus = bytearray(parts[0] + parts[2])
+    at = len(bogus) - 22 - 20 - 56 + 40             # torch writes zip64 end records: their directory size
+    assert bogus[at - 40:at - 36] == b"PK\x06\x06"
+    cd_size = int.from_bytes(bogus[at:at + 8], "little")
+    bogus[at:at + 8] = (cd_size + 10 ** 6).to_bytes(8, "little")         # a directory longer than the file
+    assert build_index(lambda o, n: bytes(bogus[o:o + n]), len(bogus)) is None
 
 
 def test_a_distcp_file_is_whole_only_when_its_last_item_is(saved) -> None:

@@ -81,7 +81,8 @@ def wait_plan(path: Path, timeout: float = 60.0) -> dict:
 
 
 def eight_layers(src: Path, fmt: str, seed: int, rows: int) -> dict:
-    """Eight layers (a `rows` x 1024 fp32 weight and a bias each) saved to `src` as `.pt` or safetensors."""
+    """Eight layers (a `rows` x 1024 fp32 weight and a bias each) saved to `src` as `.pt`, safetensors
+    or a torch.distributed.checkpoint folder (`dcp`)."""
     import torch
     from safetensors.torch import save_file
 
@@ -92,6 +93,13 @@ def eight_layers(src: Path, fmt: str, seed: int, rows: int) -> dict:
         tensors[f"layers.{k}.bias"] = torch.randn(1024, generator=g)
     if fmt == "pt":
         torch.save(tensors, src)
+    elif fmt == "dcp":
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # "torch.distributed is ... uninitialized": one process
+            dcp.save(tensors, checkpoint_id=str(src))
     else:
         save_file(tensors, str(src))
     return tensors
@@ -99,9 +107,20 @@ def eight_layers(src: Path, fmt: str, seed: int, rows: int) -> dict:
 
 def load_part(path: Path, fmt: str, wanted: list[str]) -> dict:
     """`wanted` tensors of a checkpoint through the mount, as a rank loads its part: torch.load(mmap=True)
-    or safetensors' safe_open (both map the file)."""
+    or safetensors' safe_open (both map the file), or dcp.load of those keys (it reads them)."""
     import torch
     from safetensors import safe_open
+
+    if fmt == "dcp":
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            md = dcp.FileSystemReader(str(path)).read_metadata()
+            out = {k: torch.empty(md.state_dict_metadata[k].size) for k in wanted}
+            dcp.load(out, checkpoint_id=str(path))
+        return out
 
     if fmt == "pt":
         sd = torch.load(path, weights_only=True, mmap=True)
@@ -232,7 +251,8 @@ def test_the_benchmark_stage_is_the_same_tensors_whatever_order_its_names_come_i
     assert {int(n.split(".")[2]) for n in stage if n.startswith("optimizer.")} == {order.index(n) for n in model}
 
 
-@pytest.mark.parametrize("fmt,host", [("safetensors", "same"), ("pt", "same"), ("safetensors", "another")])
+@pytest.mark.parametrize("fmt,host", [("safetensors", "same"), ("pt", "same"), ("safetensors", "another"),
+                                      ("dcp", "same")])
 def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_checkpoint(make_config, tmp_path: Path,
                                                                                       mount, fmt: str,
                                                                                       host: str) -> None:
@@ -240,7 +260,8 @@ def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_chec
     restarted rank, nothing in the kernel's cache), the same stage of step 2 (same model, other values)
     is fetched as a plan learned from the first load (cpfs/learned.py): the tensors equal step 2's, the
     mount says where the plan came from, and it fetched about what was read. `another` host: the second
-    mount has a staging folder of its own (nothing learned there), so the plan comes from the stores."""
+    mount has a staging folder of its own (nothing learned there), so the plan comes from the stores.
+    `dcp`: the plan is learned and replayed in the `.distcp` data file (its tensor index's items)."""
     import time
 
     torch = pytest.importorskip("torch")
@@ -278,7 +299,8 @@ def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_chec
     second, doc = loaded(m)
     if host == "another":
         assert doc["learned"]["shared_got"] >= 1          # from the stores: nothing was learned on this "host"
-    plans = [p for p in doc["plans"] if p["learned_from"] == f"/step_1.{fmt}"]
+    data = "/__0_0.distcp" if fmt == "dcp" else ""
+    plans = [p for p in doc["plans"] if p["learned_from"] == f"/step_1.{fmt}{data}"]
     print(f"\n{fmt}: learned {doc['learned']}; plans {plans}; fetched {second / MiB:.1f} MiB "
           f"for {nbytes / MiB:.1f} MiB of tensors ({first / MiB:.1f} MiB the first time)")
     assert all(torch.equal(got[k], steps[2][k]) for k in wanted)
