@@ -3,8 +3,8 @@
 A training checkpoint (bf16 model weights and fp32 Adam moments for every parameter, so the weights are
 ~20% of the bytes; 16 layers) is written locally as `.pt` (torch.save), `.safetensors` and a
 torch.distributed.checkpoint folder (`dcp`: dcp.save of one process, a `.distcp` data file and its
-`.metadata`), imported into three folder stores, and read by a fresh python through a fresh mount (kernel caches dropped) in these
-ways:
+`.metadata`), imported into three folder stores, and read by a fresh python through a fresh mount
+(kernel caches dropped) in these ways:
 
 - weights:  only the model weights (`sd["model"]`; safetensors: the `model.*` keys);
 - stage:    one pipeline stage, 1/8 of the layers (weights and optimizer state of layers 6 and 7);

@@ -171,8 +171,8 @@ class TensorIndex:
         if self.format == "torch-dcp":
             # Item by item in file order (the saver's state dict order), only the data: each item's zip
             # headers are read just before its data, and only for the items a load wants (no head).
-            # dcp.load takes its items by sorted name, which only `.metadata` holds: the readahead
-            # follows its jumps between runs of the file.
+            # dcp.load takes its items by sorted top-level key, which only `.metadata` holds: the
+            # readahead follows its jumps between runs of the file.
             return [(r.offset, r.length) for r in self.records if _is_data(r.name) and r.length > 0]
         ranges = []
         if self.file_size > self.directory_offset:
