@@ -1,11 +1,12 @@
 """torch.distributed.checkpoint (DCP), the format FSDP and large training runs save: per rank a
 `.distcp` file of one torch.save per item, back to back, and a `.metadata` file written last.
 
-The bytes come from real `dcp.save` calls (one process, no process group). Three layers: the boundary
-scanner cuts every item as it cuts a torch.save of its own; the completeness check takes a `.distcp`
-file for whole only once its last item is (before this, every `.distcp` was judged a truncated zip and
-its close failed with EIO); and a real mount saves, reloads on a fresh mount, and dedups a second
-checkpoint whose layers are mostly frozen.
+The bytes come from real `dcp.save` calls (one process, no process group). Four layers: the boundary
+scanner cuts every item as it cuts a torch.save of its own; the tensor index (`torch-dcp`) finds every
+item's tensor at its bytes; the completeness check takes a `.distcp` file for whole only once its last
+item is (before this, every `.distcp` was judged a truncated zip and its close failed with EIO); and a
+real mount saves, reloads on a fresh mount, and dedups a second checkpoint whose layers are mostly
+frozen. Learned prefetch of a DCP part load: tests/test_partial_mount.py.
 """
 from __future__ import annotations
 
