@@ -19,7 +19,7 @@ import json
 import struct
 from collections.abc import Callable
 
-from .tensor_index import MAX_SAFETENSORS_HEADER, _Malformed, _zip_directory, zip64_extra
+from .tensor_index import MAX_SAFETENSORS_HEADER, _Malformed, _zip_directory, central_entries
 
 ReadAt = Callable[[int, int], bytes]
 
@@ -55,18 +55,12 @@ def _members_reason(read_at: ReadAt, size: int, cd_offset: int, cd_size: int, co
     """A zip after other data (torch.distributed.checkpoint's back-to-back torch.save items) is whole
     when every entry of its directory points at a local header: bytes cut off mid-save end a zip
     only by chance, and then not one whose members are all where it says."""
-    cd = read_at(cd_offset, cd_size)
-    pos = 0
-    for _ in range(count):
-        if len(cd) < pos + 46 or cd[pos:pos + 4] != _ZIP_CENTRAL:
-            return f"zip of {size} bytes: a bad central directory entry at offset {cd_offset + pos}"
-        comp, uncomp, nlen, elen, clen = struct.unpack_from("<IIHHH", cd, pos + 20)
-        local = struct.unpack_from("<I", cd, pos + 42)[0]
-        extra = cd[pos + 46 + nlen:pos + 46 + nlen + elen]
-        local = zip64_extra(extra, uncomp, comp, local)[2]
-        if read_at(base + local, 4) != _ZIP_LOCAL:
-            return f"zip of {size} bytes: no local header at offset {base + local}, where its directory says"
-        pos += 46 + nlen + elen + clen
+    try:
+        for *_, local in central_entries(read_at(cd_offset, cd_size), count):
+            if read_at(base + local, 4) != _ZIP_LOCAL:
+                return f"zip of {size} bytes: no local header at offset {base + local}, where its directory says"
+    except _Malformed as e:
+        return f"zip of {size} bytes: {e} at offset {cd_offset}"
     return None
 
 

@@ -20,6 +20,7 @@ import os
 import pickletools
 import struct
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
 log = logging.getLogger(__name__)
@@ -311,19 +312,10 @@ def _zip_records(read_at: ReadAt, size: int) -> tuple[list[Record], int]:
     if base:
         raise _Malformed(f"a zip after {base} bytes of other data (back-to-back torch.save items, as "
                          f"torch.distributed.checkpoint writes): one zip's index would miss the rest")
-    cd = _read_exact(read_at, cd_offset, cd_size)
-    records, pos = [], 0
-    for _ in range(count):
-        if cd[pos:pos + 4] != b"PK\x01\x02" or pos + 46 > len(cd):
-            raise _Malformed("bad central directory entry")
-        (_, _, _, flags, method, _, _, _, comp, uncomp, nlen, elen, clen, _, _, _,
-         local) = struct.unpack_from("<IHHHHHHIIIHHHHHII", cd, pos)
-        raw_name = cd[pos + 46:pos + 46 + nlen]
-        extra = cd[pos + 46 + nlen:pos + 46 + nlen + elen]
-        pos += 46 + nlen + elen + clen
+    records = []
+    for raw_name, flags, method, comp, local in central_entries(_read_exact(read_at, cd_offset, cd_size), count):
         if method != 0 or flags & 1:
             raise _Malformed("compressed or encrypted member")
-        _, comp, local = zip64_extra(extra, uncomp, comp, local)
         name = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
         header = _read_exact(read_at, local, 30)
         if header[:4] != b"PK\x03\x04":
@@ -334,6 +326,22 @@ def _zip_records(read_at: ReadAt, size: int) -> tuple[list[Record], int]:
             raise _Malformed(f"member {name} overruns the central directory")
         records.append(Record(name, data, comp))
     return records, cd_offset
+
+
+def central_entries(cd: bytes, count: int) -> Iterator[tuple[bytes, int, int, int, int]]:
+    """(raw name, flags, method, compressed size, local header offset from the zip's start) of each
+    of the `count` entries of a central directory, zip64 sizes and offsets resolved."""
+    pos = 0
+    for _ in range(count):
+        if cd[pos:pos + 4] != b"PK\x01\x02" or pos + 46 > len(cd):
+            raise _Malformed("bad central directory entry")
+        (_, _, _, flags, method, _, _, _, comp, uncomp, nlen, elen, clen, _, _, _,
+         local) = struct.unpack_from("<IHHHHHHIIIHHHHHII", cd, pos)
+        raw_name = cd[pos + 46:pos + 46 + nlen]
+        extra = cd[pos + 46 + nlen:pos + 46 + nlen + elen]
+        pos += 46 + nlen + elen + clen
+        _, comp, local = zip64_extra(extra, uncomp, comp, local)
+        yield raw_name, flags, method, comp, local
 
 
 def zip64_extra(extra: bytes, uncomp: int, comp: int, local: int = 0) -> tuple[int, int, int]:

@@ -15,7 +15,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,9 +35,9 @@ from tests.conftest import ROOT, cpfs
 MiB = 1024 * 1024
 
 
-def torch_bytes(sd: dict[str, torch.Tensor]) -> bytes:
+def torch_bytes(obj: object) -> bytes:
     buf = io.BytesIO()
-    torch.save(sd, buf)
+    torch.save(obj, buf)
     return buf.getvalue()
 
 
@@ -375,6 +374,9 @@ class Stalling:
 f = Stalling()
 if kind == "torch":
     torch.save(expected_of_save(nbytes, seed, per=4 << 20), f)
+elif kind == "dcp":                     # a .distcp data file: one torch.save per item, back to back
+    for t in expected_of_save(nbytes, seed, per=4 << 20).values():
+        torch.save(t, f)
 elif kind == "safetensors":
     blob = safetensors.torch.save(expected_of_save(nbytes, seed, per=4 << 20))
     for off in range(0, len(blob), 1 << 20):
@@ -386,7 +388,8 @@ print("finished", flush=True)
 
 
 def stalled_writer(kind: str, path: Path, seed: int, nbytes: int, stall_at: int) -> subprocess.Popen:
-    """A child that writes `path` (a torch.save, a safetensors file in 1 MiB pieces, or plain bytes)
+    """A child that writes `path` (a torch.save, a safetensors file in 1 MiB pieces, a DCP data file, or
+    plain bytes)
     and stops for good after `stall_at` bytes, saying "stalled": then the test kills it."""
     return subprocess.Popen([sys.executable, "-c", STALL, kind, str(path), str(seed), str(nbytes), str(stall_at)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -409,14 +412,19 @@ def log(cfg: Path, path: str) -> list[dict]:
 
 
 @pytest.mark.mount
-@pytest.mark.parametrize("kind", ["torch", "safetensors"])
+@pytest.mark.parametrize("kind", ["torch", "safetensors", "dcp"])
 def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_path, mount, kind) -> None:
+    """`dcp`: a torch.distributed.checkpoint data file (a torch.save per item, back to back), killed
+    inside an item."""
     cfg = config(make_config, tmp_path)
     m = mount(cfg)
-    name = "ckpt.pt" if kind == "torch" else "model.safetensors"
+    name = {"torch": "ckpt.pt", "safetensors": "model.safetensors", "dcp": "__0_0.distcp"}[kind]
     v1 = expected_of_save(16 * MiB, seed=1, per=4 * MiB)
+    items = b"".join(torch_bytes(t) for t in v1.values())
     if kind == "torch":
         torch.save(v1, m.path / name)
+    elif kind == "dcp":
+        (m.path / name).write_bytes(items)
     else:
         safetensors.torch.save_file(v1, m.path / name)
     first = log(cfg, name)
@@ -428,9 +436,13 @@ def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_pa
     assert rows[1]["version"] == first[0]["version"]
     assert rows[0]["size"] == 24 * MiB and rows[0]["reason"]
     print(f"\nkilled {kind} save: {rows[0]['reason']}")
-    load = (lambda p: torch.load(p, weights_only=True)) if kind == "torch" else safetensors.torch.load_file
-    assert_same(load(m.path / name), v1)
-    assert_same(load(mount(cfg, "fresh").path / name), v1)
+    if kind == "dcp":
+        assert (m.path / name).read_bytes() == items
+        assert (mount(cfg, "fresh").path / name).read_bytes() == items
+    else:
+        load = (lambda p: torch.load(p, weights_only=True)) if kind == "torch" else safetensors.torch.load_file
+        assert_same(load(m.path / name), v1)
+        assert_same(load(mount(cfg, "fresh").path / name), v1)
     assert "not committed, the file is incomplete" in m.log.read_text()
 
 
