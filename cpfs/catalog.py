@@ -189,6 +189,8 @@ class Catalog:
     def __init__(self, pool: StorePool, writer: str = WRITER_ID, journal: VoidJournal | None = None) -> None:
         """`writer`: this committer's id (one per process; tests may act as several). `journal`: where
         the twins and markers no store took are kept across restarts (read here, at startup)."""
+        if not re.fullmatch(r"[0-9a-f]{1,32}", writer):
+            raise ValueError(f"writer id {writer!r}: 1 to 32 lowercase hex digits (a version key holds it)")
         self.pool = pool
         self._cfg = pool.config
         self._writer = writer

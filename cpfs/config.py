@@ -132,8 +132,8 @@ class Config:
     replicas: int = 2
     write_quorum: int = 2
     keep_versions: int = 3          # committed versions kept per path (older manifests are retired)
-    gc_grace: float = 3600.0        # gc deletes only objects older than this; dedup touches reused
-                                    # copies older than half of it (cpfs/gc.py)
+    gc_grace: float = 3600.0        # gc deletes only objects older than this; dedup and renewal touch
+                                    # copies a commit counts on once half of it old (cpfs/gc.py)
     chunk_size: int = 4 * 1024**2
     compression: str = "lz4"
     cache_memory: int = 1024**3
@@ -346,8 +346,8 @@ def parse_config(text: str, source: str, base: Path) -> Config:
     if values.get("hedge_min", Config.hedge_min) > values.get("hedge_max", Config.hedge_max):
         raise _fail(source, "store_defaults.hedge_min", "must not exceed store_defaults.hedge_max")
     if values.get("gc_grace", GC_GRACE_FLOOR) < GC_GRACE_FLOOR:
-        raise _fail(source, "gc_grace", f"must be at least {GC_GRACE_FLOOR:g}s: a commit must finish within "
-                                        f"half of it (see cpfs gc), got {values['gc_grace']:g}s")
+        raise _fail(source, "gc_grace", f"must be at least {GC_GRACE_FLOOR:g}s: mounts renew what a commit "
+                                        f"counts on once half of it old (see cpfs gc), got {values['gc_grace']:g}s")
     if values.get("keep_versions", 1) < 1:
         raise _fail(source, "keep_versions", "must be at least 1 (the current version)")
     if not 1 <= values["write_quorum"] <= replicas:

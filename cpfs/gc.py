@@ -23,12 +23,16 @@ a commit's duration; or its commit failed) and is deleted. A void marker stays w
 its transaction, so a record that could not be deleted never counts again.
 
 Invariant: from the moment a commit checks a chunk copy until it writes its manifest at t_m, the copy's
-mtime is after t_m - grace. Mounts keep it: dedup touches a copy it reuses when the copy is older than
-gc_grace/2 (StorePool._kept), so after the check at t_c its mtime is after t_c - gc_grace/2 (a new copy
-is newer still); t_m is within gc_grace/2 of t_c (assumption 1) and grace >= gc_grace (assumption 3).
-Hence a chunk a commit counts on is never deleted: if the manifest was written before gc listed its
-folder, the chunk is in R; if after, t_m > t0, so the copy's mtime is after t0 - grace = cutoff:
-delete_if_older spares it.
+mtime stays after t - grace at every moment t. Mounts keep it: dedup touches a copy it reuses when the
+copy is older than gc_grace/2 (StorePool._kept), so after the check its mtime is at most gc_grace/2 old
+(a new copy is newer still); while the file stays open, its uploader touches again every copy that
+reaches gc_grace/2, looking every gc_grace/8 (cpfs/upload.py: Renewal), so no copy it counts on gets
+older than 5/8 of gc_grace (plus a renewal pass); and before writing the manifest it renews what is due,
+so at t_m every such copy is younger than gc_grace/2; grace >= gc_grace (assumption 3). Hence a chunk a
+commit counts on is never deleted: if the manifest was written before gc listed its folder, the chunk
+is in R; if after, the copy's mtime is after t0 - grace = cutoff when gc judges it: delete_if_older
+spares it. A mount that could not renew (frozen, or cut off from a store, for longer than the grace)
+finds the copies gone at its commit's renewal and stores them again, or fails the commit.
 A touch that lands inside delete_if_older, between its age check and the deletion, remains: on folder
 stores that moment does not exist (the store claims the file by a rename before it judges the age,
 and dedup looks the copy up again after touching it: a copy a claim took is "missing" and written
@@ -42,10 +46,11 @@ be read from any store that lists it, gc deletes nothing and says which: it cann
 version names.
 
 Assumptions (the caveats):
-1. A commit writes its manifest within gc_grace/2 of checking its first chunk (30 minutes for the
-   default "1h"): for a file written through a mount, write-behind checks chunks while the file is
-   written, so a file held open for writing longer than that before its close is at risk. Longer
-   saves need a longer gc_grace.
+1. A commit's renewals run: the mount (or `cpfs put`) that holds the file open touches the copies it
+   counts on on time (Renewal), or, when it could not, renews them at its commit before the manifest.
+   A save may take as long as it takes. What remains is the renewal's own race on S3 (one round trip,
+   as for dedup's touch below) and a transaction's duration: a rename's or link's versions are written
+   before its record, within gc_grace/2 (abandoned versions, above).
 2. The clocks of the stores' hosts (file servers, S3 endpoints) and of the host running gc agree within
    a margin well below gc_grace/2.
 3. gc's grace is at least the gc_grace of every mount's config (a mount touches only copies older than
@@ -53,8 +58,9 @@ Assumptions (the caveats):
 4. gc runs with the mounts' stores (their config), and a listing shows every key written before it
    began (folders; S3 and current RGW/MinIO are strongly consistent).
 5. A file written through a mount without O_TRUNC commits its unchanged base chunks by reference,
-   unchecked: they are safe while the base version is kept, so ≥ keep_versions commits of the same
-   path from other mounts during that session, and then a gc, could take them.
+   unchecked, and a session's later commits the chunks its earlier ones named: they are safe while
+   that version is kept, so ≥ keep_versions commits of the same path from other mounts during that
+   session, and then a gc, could take them.
 """
 from __future__ import annotations
 

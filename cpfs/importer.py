@@ -3,7 +3,8 @@
 Per file: build the tensor index (a hint), cut the file where `chunking.cut_points` says (as the
 mount does), then a fixed set of workers read, hash, compress (in threads) and upload the chunks to
 their placement's stores in parallel (`upload`). Memory stays at workers x chunk size.
-The manifest is committed only after every chunk is durable on write_quorum stores.
+The manifest is committed only after every chunk is durable on write_quorum stores, and safe from a
+gc however long the put of the file took (upload: Renewal).
 """
 from __future__ import annotations
 
@@ -80,8 +81,20 @@ class Importer:
         try:
             index, points = await trio.to_thread.run_sync(self._layout, fd, st.st_size, str(src), limiter=self.pool.cpu)
             spans = cut(st.st_size, self.cfg.chunk_size, points)
-            entries = await in_parallel(lambda span: self._chunk(fd, str(src), span), spans,
-                                        self.cfg.fetch_concurrency)
+            async with trio.open_nursery() as keeper:
+                keeper.start_soon(self._uploader.keep_fresh)
+                entries = await in_parallel(lambda span: self._chunk(fd, str(src), span), spans,
+                                            self.cfg.fetch_concurrency)
+                lost = await self._uploader.unsure(e.digest for e in entries)
+                if lost:   # copies gone while the put ran (a store wiped): stored again from the file
+                    log.warning("put %s: %d chunks lost their copies before the commit: storing them again",
+                                src, len(lost))
+                    redo = [i for i, e in enumerate(entries) if e.digest in lost]
+                    again = await in_parallel(lambda i: self._chunk(fd, str(src), spans[i]), redo,
+                                              self.cfg.fetch_concurrency)
+                    for i, entry in zip(redo, again):
+                        entries[i] = entry
+                keeper.cancel_scope.cancel()
         finally:
             os.close(fd)
         after = os.stat(src)
@@ -91,6 +104,7 @@ class Importer:
                             chunk_size=self.cfg.chunk_size, chunks=tuple(entries),
                             version=0, tensor_index=index.to_json() if index else None)
         manifest = await self.catalog.commit(manifest)
+        self._uploader.settled(e.digest for e in entries)
         self._files += 1
         self._logical_bytes += st.st_size
         log.info("put %s -> %s: %d bytes in %d chunks%s", src, dest, st.st_size, len(spans),

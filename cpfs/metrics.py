@@ -103,6 +103,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("replicas", "repairs_dropped"): ("cpfs_repairs_dropped_total", "counter",
                                       "Read repairs not queued because the queue was full."),
     ("replicas", "touched"): ("cpfs_dedup_touched_total", "counter", "Old copies dedup reused and touched."),
+    ("replicas", "renewed"): ("cpfs_chunk_copies_renewed_total", "counter",
+                              "Copies an open file's next commit counts on, touched again so that a gc spares them."),
     ("replicas", "background_puts"): ("cpfs_background_puts", "gauge",
                                       "Puts still running after their write returned at quorum."),
     ("replicas", "background_bytes"): ("cpfs_background_bytes", "gauge", "Blob bytes held by background puts."),

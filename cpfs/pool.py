@@ -27,7 +27,8 @@ The pool holds replica policy, nothing about any one kind of store:
   (scrub finds it later) rather than hold a read;
 - dedup never trusts a replica blindly: `store_chunk` reuses a copy only after checking it against the
   encoded chunk in hand, and rewrites copies that a read found corrupt (`_suspects`); a copy it reuses
-  that is older than gc_grace/2 is touched first, so that a concurrent gc spares it (cpfs/gc.py).
+  that is older than gc_grace/2 is touched first, so that a concurrent gc spares it (cpfs/gc.py), and
+  `renew` touches the copies a commit not yet written counts on (a file open for long: cpfs/upload.py).
 
 Ranking: least expected wait first, (requests in flight + 1) x recent latency (floored, so local
 stores of similar speed spread by requests in flight), so concurrent fetches use every store. Except a
@@ -47,7 +48,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import trio
 
@@ -82,6 +83,14 @@ BACKGROUND_WRITES = 256      # ... and writes (manifests are small): beyond eith
 SHUTDOWN_GRACE = 10.0        # seconds background puts get when run() is cancelled, then abandoned
 
 
+class Stored(NamedTuple):
+    """What `store_chunk` did: the stores that held the chunk when it returned, whether any was written,
+    and the oldest mtime any of those copies may have (the clocks agree: cpfs/gc.py): what a gc judges."""
+    held: list[str]
+    wrote: bool
+    since: float
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReplicaStats:
     reads: int                # replica reads started (first tries, fallbacks and hedges)
@@ -92,6 +101,7 @@ class ReplicaStats:
     hedges_skipped: int       # slow reads not hedged because `hedges` were in flight
     repairs_dropped: int      # read repairs not queued because the queue was full
     touched: int              # old copies dedup reused and touched, so that a gc spares them
+    renewed: int              # copies a pending commit counts on, touched again (renew)
     explored: int             # reads that also asked a known-slow store, to see if it still is
     background_puts: int      # puts still running after their write returned at quorum
     background_bytes: int     # blob bytes the writes with background puts hold
@@ -145,10 +155,13 @@ def _decoder(digest: str) -> Callable[[bytes | memoryview], tuple[bytes | memory
 class StorePool:
     def __init__(self, config: Config, stores: Sequence[Store] | None = None, *,
                  probe_interval: float = PROBE_INTERVAL, seed: int | None = None,
-                 background_bytes: int = BACKGROUND_BYTES, shutdown_grace: float = SHUTDOWN_GRACE) -> None:
+                 background_bytes: int = BACKGROUND_BYTES, shutdown_grace: float = SHUTDOWN_GRACE,
+                 clock: Callable[[], float] = time.time) -> None:
         """The stores `config` describes, or `stores` (tests inject wrapped stores; each gets a
-        MeteredStore around it unless it is one)."""
+        MeteredStore around it unless it is one). `clock`: the wall clock that store ages (mtimes) are
+        judged against (tests inject one that has moved on)."""
         self.config = config
+        self.clock = clock
         built = stores if stores is not None else [open_store(s) for s in config.stores]
         self._stores: dict[str, MeteredStore] = {
             s.name: s if isinstance(s, MeteredStore) else MeteredStore(s) for s in built}
@@ -171,7 +184,7 @@ class StorePool:
         self._repairs_dropped = 0
         self._reads = self._fallbacks = self._hedges = self._hedges_won = 0
         self._hedging = self._hedges_skipped = 0
-        self._touched = 0
+        self._touched = self._renewed = 0
         self._batch_reads = self._batched = 0
         self._block_reads = self._block_bytes = self._block_misses = 0
         self._background: trio.Nursery | None = None   # run()'s, while it runs: where writes leave puts
@@ -192,7 +205,8 @@ class StorePool:
         return ReplicaStats(reads=self._reads, fallbacks=self._fallbacks, hedges=self._hedges,
                             hedges_won=self._hedges_won, hedges_in_flight=self._hedging,
                             hedges_skipped=self._hedges_skipped, repairs_dropped=self._repairs_dropped,
-                            touched=self._touched, explored=self._explored, background_puts=self._bg_puts,
+                            touched=self._touched, renewed=self._renewed, explored=self._explored,
+                            background_puts=self._bg_puts,
                             background_bytes=self._bg_bytes, background_done=self._bg_done,
                             background_failed=self._bg_failed, background_abandoned=self._bg_abandoned,
                             background_waits=self._bg_waits, batch_reads=self._batch_reads,
@@ -927,15 +941,16 @@ class StorePool:
             results[k] = r
         return results  # type: ignore[return-value]  # every None replaced
 
-    async def _copy_state(self, name: str, key: str, enc: chunkfmt.EncodedChunk) -> str:
-        """"good", "missing" or "bad": the copy of the chunk on store `name`, checked against the blob in
-        hand: same size and header (the whole blob when small). A copy that differs is decoded and kept
-        only if it verifies (the same chunk, encoded otherwise). A copy a read found corrupt is bad.
+    async def _copy_state(self, name: str, key: str, enc: chunkfmt.EncodedChunk) -> tuple[str, float]:
+        """("good", its mtime), ("missing", 0) or ("bad", 0): the copy of the chunk on store `name`,
+        checked against the blob in hand: same size and header (the whole blob when small). A copy that
+        differs is decoded and kept only if it verifies (the same chunk, encoded otherwise). A copy a
+        read found corrupt is bad.
         Caveat: a flipped byte inside a copy larger than VERIFY_FULL_MAX passes this check; the first
         read of that copy finds it (every read verifies), and the next write of the chunk rewrites it."""
         if (name, enc.digest) in self._suspects:
             log.warning("chunk %s: rewriting the copy on store %r that a read found corrupt", enc.digest[:16], name)
-            return "bad"
+            return "bad", 0.0
         blob = enc.blob
         try:
             info = await self.stat(name, key)
@@ -950,44 +965,65 @@ class StorePool:
             if data is None:
                 data = await self.get(name, key)
         except NoSuchObject:
-            return "missing"
+            return "missing", 0.0
         try:
             await trio.to_thread.run_sync(chunkfmt.decode, data, enc.digest, limiter=self.cpu)
         except CorruptChunk as e:
             log.warning("chunk %s: the copy on store %r is corrupt (%s): rewriting it", enc.digest[:16], name, e)
-            return "bad"
+            return "bad", 0.0
         return await self._kept(name, key, info)
 
-    async def _kept(self, name: str, key: str, info: ObjectInfo) -> str:
-        """"good" for a copy dedup reuses, once it is safe from a concurrent gc (cpfs/gc.py): a copy
-        older than gc_grace/2 is touched, then looked up again ("missing" if a gc took it meanwhile:
-        on a folder store a gc's claim is a rename, so a copy still there after the touch is kept)."""
-        if time.time() - info.mtime < self.config.gc_grace / 2:
-            return "good"
+    async def _kept(self, name: str, key: str, info: ObjectInfo) -> tuple[str, float]:
+        """("good", its mtime) for a copy dedup reuses, once it is safe from a concurrent gc
+        (cpfs/gc.py): a copy older than gc_grace/2 is renewed first; ("missing", 0) if a gc took it."""
+        start = self.clock()
+        if start - info.mtime < self.config.gc_grace / 2:
+            return "good", info.mtime
         try:
-            await self.touch(name, key)
-            await self.stat(name, key)
+            await self._touch_copy(name, key)
         except NoSuchObject:
             log.info("chunk %s: the old copy on store %r went (a gc): writing it again", key, name)
-            return "missing"
+            return "missing", 0.0
         self._touched += 1
-        return "good"
+        return "good", start
 
-    async def store_chunk(self, enc: chunkfmt.EncodedChunk, targets: Sequence[str], quorum: int) -> tuple[list[str], bool]:
+    async def _touch_copy(self, name: str, key: str) -> None:
+        """Touch a copy, then look it up again: NoSuchObject if a gc took it meanwhile (on a folder
+        store a gc's claim is a rename, so a copy still there after the touch is kept)."""
+        await self.touch(name, key)
+        await self.stat(name, key)
+
+    async def renew(self, digest: str, names: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Touch the copies of a chunk on `names` that a commit not yet written counts on, so that a gc
+        spares them however long the file stays open (cpfs/gc.py). Returns the stores whose copy was
+        renewed (at `clock()` or later), and those whose copy is gone; a store that fails is in neither
+        (logged)."""
+        key = chunkfmt.chunk_key(digest)
+        out = await self._fan_out(names, lambda name: self._touch_copy(name, key))
+        for name, e in out.errors:
+            log.warning("chunk %s: could not renew its copy on store %r: %s", digest[:16], name, e)
+        self._renewed += len(out.results)
+        return out.succeeded(names), [name for name, e in out.errors if isinstance(e, NoSuchObject)]
+
+    async def store_chunk(self, enc: chunkfmt.EncodedChunk, targets: Sequence[str], quorum: int) -> Stored:
         """Put a chunk on `targets`, reusing the good copies already there (and rewriting bad ones).
-        Returns (stores holding it, whether any store was written so far); raises the first error below
-        quorum. With run() running and quorum < len(targets), it returns once `quorum` stores hold it;
-        the other targets are completed in the background (see `_put_quorum`), a copy that failed is
-        tried once more through the repair queue, then left to scrub."""
+        Raises the first error below quorum. With run() running and quorum < len(targets), it returns
+        once `quorum` stores hold it; the other targets are completed in the background (see
+        `_put_quorum`), a copy that failed is tried once more through the repair queue, then left to
+        scrub."""
         key = chunkfmt.chunk_key(enc.digest)
         wrote = False
+        since: dict[str, float] = {}    # store -> the oldest mtime its copy may have
 
         async def one(name: str) -> None:
             nonlocal wrote
-            state = await self._copy_state(name, key, enc)
+            state, mtime = await self._copy_state(name, key, enc)
             if state == "good":
+                since[name] = mtime
                 return
+            start = self.clock()
             await self.put(name, key, enc.blob)
+            since[name] = start
             self._suspects.pop((name, enc.digest), None)
             if state == "bad":
                 self._health[name].repairs += 1
@@ -1001,7 +1037,7 @@ class StorePool:
 
         held = await self._put_quorum(targets, one, quorum, f"chunk {enc.digest[:16]}", nbytes=len(enc.blob),
                                       failed=retry)
-        return held, wrote
+        return Stored(held, wrote, min(since[n] for n in held))
 
     async def capacity(self) -> Capacity | None:
         """What a user can still write (statfs). Each byte written lands on `replicas` of the n stores

@@ -9,11 +9,25 @@ entry names the stores that held it when it returned (readers find later copies 
 Within one uploader a chunk is stored once: the same chunk again (zeros, shared tensors) joins the first
 upload (a SingleFlight) and reuses its result.
 `in_parallel` runs the spans of a file through a fixed set of workers.
+
+Renewal. A gc deletes an unreferenced chunk copy once it is older than its grace, and the chunks of a
+file being written are unreferenced until its manifest lands (cpfs/gc.py). A save that runs longer than
+gc_grace/2, or a file held open for hours (a log appended to), must not lose the chunks it stored first.
+So the uploader remembers, per chunk it stored, the oldest mtime its copies may have, and its owner runs
+`keep_fresh` while the file is open: every RENEW_EVERY of gc_grace it touches the copies that reached
+RENEW_AGE of gc_grace (at most 5/8 of the grace old, at any moment, plus the time a pass takes). Before a
+commit, `unsure` renews what is due and names the chunks whose copies went anyway (a daemon frozen for
+longer than the grace, a store wiped, a renewal a store refused): their owner stores them again (from
+staging, or from a copy left elsewhere) or fails the commit, so a manifest never names a chunk a gc took.
+Once a commit names a chunk, `settled` ends its renewal: the version references it. The same chunk
+reused by a later commit of the uploader counts as due at once (the version may have been retired).
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,8 +41,12 @@ from .placement import place
 from .pool import StorePool
 from .sync import SingleFlight
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
+
+RENEW_AGE = 0.5      # of gc_grace: a copy a pending commit counts on is touched once this old ...
+RENEW_EVERY = 0.125  # ... looked for this often (see Renewal)
 
 # Buffers a span is read into, reused once its upload lets go (cpfs/buffers.py). A fresh bytearray per
 # chunk was zero-filled holding the GIL: ~1 ms per 4 MiB chunk in which no other Python of the daemon
@@ -58,6 +76,8 @@ class UploadStats:
     chunks_deduped: int     # chunks every target store (or an earlier call) held already
     new_raw_bytes: int      # raw bytes of chunks_new
     stored_bytes: int       # compressed bytes of chunks_new sent to stores, all replicas
+    renewals: int           # chunks whose copies were touched again because a commit pending counts on them
+    lost: int               # chunks whose copies went before the commit that counted on them (stored again)
 
 
 class Uploader:
@@ -68,11 +88,16 @@ class Uploader:
         self._cfg = pool.config
         self._placed: dict[str, ChunkEntry] = {}
         self._placing: SingleFlight[str, ChunkEntry] = SingleFlight()
-        self._new = self._deduped = self._new_raw = self._stored = 0
+        # Renewal: placed chunks no commit names yet -> the oldest mtime their copies may have; and
+        # those found gone, until they are placed again.
+        self._since: dict[str, float] = {}
+        self._lost: set[str] = set()
+        self._renewing = trio.Lock()        # one pass at a time (keep_fresh's, a commit's)
+        self._new = self._deduped = self._new_raw = self._stored = self._renewals = self._lost_count = 0
 
     def statistics(self) -> UploadStats:
         return UploadStats(chunks_new=self._new, chunks_deduped=self._deduped, new_raw_bytes=self._new_raw,
-                           stored_bytes=self._stored)
+                           stored_bytes=self._stored, renewals=self._renewals, lost=self._lost_count)
 
     async def store(self, enc: chunkfmt.EncodedChunk) -> ChunkEntry:
         """The chunk on (at least) write_quorum of its stores; raises the first StoreError below quorum
@@ -89,12 +114,13 @@ class Uploader:
             known = await self._placing.run(enc.digest, place_it)
             if led:
                 return known
+        self._since.setdefault(enc.digest, -math.inf)   # settled by an earlier commit: due at once
         self._deduped += 1
         return known
 
     async def _place(self, enc: chunkfmt.EncodedChunk) -> ChunkEntry:
         targets = place(enc.digest, self._pool.names, self._cfg.replicas)
-        held, new = await self._pool.store_chunk(enc, targets, self._cfg.write_quorum)
+        held, new, since = await self._pool.store_chunk(enc, targets, self._cfg.write_quorum)
         if new:
             self._new += 1
             self._new_raw += enc.raw_len
@@ -103,7 +129,62 @@ class Uploader:
             self._deduped += 1
         entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held), enc.blocks)
         self._placed[enc.digest] = entry
+        self._since[enc.digest] = since
+        self._lost.discard(enc.digest)
         return entry
+
+    # ------------------------------------------------------------------ renewal (see the module doc)
+
+    async def keep_fresh(self) -> None:
+        """Renew what is due every RENEW_EVERY of gc_grace, until cancelled (the file's close)."""
+        while True:
+            await trio.sleep(self._cfg.gc_grace * RENEW_EVERY)
+            await self.renew_due()
+
+    async def renew_due(self) -> None:
+        """Touch the copies of every chunk not yet named by a commit that may be RENEW_AGE old."""
+        async with self._renewing:
+            limit = self._pool.clock() - self._cfg.gc_grace * RENEW_AGE
+            due = [d for d, since in self._since.items() if since <= limit]
+            if due:
+                await in_parallel(self._renew, due, self._cfg.fetch_concurrency)
+
+    async def _renew(self, digest: str) -> None:
+        """Renew one chunk's copies. Fewer than write_quorum renewed: if a copy is gone the chunk is
+        lost (stored again before the commit); a store that failed is tried again by the next pass."""
+        entry = self._placed[digest]
+        start = self._pool.clock()
+        renewed, gone = await self._pool.renew(digest, entry.stores)
+        if self._placed.get(digest) is not entry or digest not in self._since:
+            return  # placed again, or settled, meanwhile
+        if len(renewed) >= self._cfg.write_quorum:
+            self._since[digest] = start
+            self._renewals += 1
+        elif gone:
+            log.warning("chunk %s: its copies on %s are gone before the commit that counts on it: it will "
+                        "be stored again", digest[:16], ", ".join(gone))
+            self._forget(digest)
+
+    def _forget(self, digest: str) -> None:
+        del self._placed[digest], self._since[digest]
+        self._lost.add(digest)
+        self._lost_count += 1
+
+    async def unsure(self, digests: Iterable[str]) -> set[str]:
+        """Of these chunks, the ones this uploader stored whose copies may be gone or too old: renews
+        what is due first; what is still due after that counts as lost. The caller stores them again
+        before committing (`store` does, once asked)."""
+        await self.renew_due()
+        limit = self._pool.clock() - self._cfg.gc_grace * RENEW_AGE
+        wanted = set(digests)
+        for d in [d for d in wanted if self._since.get(d, math.inf) <= limit]:
+            self._forget(d)
+        return self._lost & wanted
+
+    def settled(self, digests: Iterable[str]) -> None:
+        """A commit named these chunks: their version references them, renewal ends."""
+        for d in digests:
+            self._since.pop(d, None)
 
 
 async def in_parallel(fn: Callable[[T], Awaitable[R]], items: Sequence[T], workers: int) -> list[R]:

@@ -92,6 +92,8 @@ class WriterStats:
     chunks_reused: int          # layout chunks commits took as they were (base, earlier commit, write-behind)
     chunks_streamed: int        # chunks stored by write-behind, before a flush asked for them
     chunks_discarded: int       # chunks stored by this session that no commit will name (overwritten later)
+    chunks_renewed: int         # renewals of stored chunks' copies while the file stayed open (upload: Renewal)
+    chunks_lost: int            # stored chunks whose copies went before a commit (stored again, or it failed)
     bytes_uploaded: int         # stored (compressed) bytes sent to stores, all replicas
     new_raw_bytes: int          # raw bytes of chunks_uploaded: what this session added to the stores
     base_chunks_fetched: int    # base chunks copied into the staging file
@@ -248,7 +250,8 @@ class WriteSession:
         return WriterStats(
             size=self._size, bytes_written=self._bytes_written, chunks_uploaded=up.chunks_new,
             chunks_deduped=up.chunks_deduped, chunks_reused=self._reused, chunks_streamed=self._streamed,
-            chunks_discarded=self._discarded, bytes_uploaded=up.stored_bytes,
+            chunks_discarded=self._discarded, chunks_renewed=up.renewals, chunks_lost=up.lost,
+            bytes_uploaded=up.stored_bytes,
             new_raw_bytes=up.new_raw_bytes, base_chunks_fetched=self._fetched,
             chunks_dropped=self._drops, dropped_fetched=self._refetched,
             buffered_bytes=self._buffered, peak_buffered_bytes=self._peak,
@@ -608,33 +611,47 @@ class WriteSession:
         return pos, end - pos
 
     async def _pump(self) -> None:
-        """Write-behind: walk the predicted layout behind the writer, storing each complete span."""
+        """Write-behind, and the renewal of what it stored, until the session closes."""
         try:
             with self._pump_scope:
                 async with trio.open_nursery() as uploads:
-                    while not self._file.closed:
-                        # Taken first: an upload that ends while this pass awaits (a drop, a slot, a
-                        # scan) fires it, and the pass runs again instead of sleeping past its span.
-                        woken = self._wake.next()
-                        if (self._paused or not self._streaming or self._stream_error is not None
-                                or self._poisoned is not None):
-                            await woken.wait()
-                            continue
-                        if self._droppable and sum(self._droppable[0]) <= self._scanner.settled_upto:
-                            await self._drop_settled()
-                        span = self._ready_span()
-                        if span is not None:
-                            await self._start_upload(uploads, span)
-                            continue
-                        scanner = self._scanner
-                        if not scanner.done and scanner.need <= self._frontier:
-                            await self._scan(scanner)
-                            continue
-                        await woken.wait()
+                    keeper = trio.CancelScope()
+                    uploads.start_soon(self._keep_fresh, keeper)
+                    try:
+                        await self._write_behind(uploads)
+                    finally:
+                        keeper.cancel()
         except Exception:
             log.exception("%s: write-behind stopped; flush will store the rest", self.path)
         finally:
             self._pump_done.set()
+
+    async def _keep_fresh(self, scope: trio.CancelScope) -> None:
+        """The chunks this session stored stay safe from a gc while the file is open (upload: Renewal)."""
+        with scope:
+            await self._uploader.keep_fresh()
+
+    async def _write_behind(self, uploads: trio.Nursery) -> None:
+        """Walk the predicted layout behind the writer, storing each complete span."""
+        while not self._file.closed:
+            # Taken first: an upload that ends while this pass awaits (a drop, a slot, a
+            # scan) fires it, and the pass runs again instead of sleeping past its span.
+            woken = self._wake.next()
+            if (self._paused or not self._streaming or self._stream_error is not None
+                    or self._poisoned is not None):
+                await woken.wait()
+                continue
+            if self._droppable and sum(self._droppable[0]) <= self._scanner.settled_upto:
+                await self._drop_settled()
+            span = self._ready_span()
+            if span is not None:
+                await self._start_upload(uploads, span)
+                continue
+            scanner = self._scanner
+            if not scanner.done and scanner.need <= self._frontier:
+                await self._scan(scanner)
+                continue
+            await woken.wait()
 
     async def _start_upload(self, uploads: trio.Nursery, span: Span) -> None:
         if span in self._clean or span in self._inflight:
@@ -800,6 +817,21 @@ class WriteSession:
         await in_parallel(store, todo, self._cfg.fetch_concurrency)
         return [e for e in entries if e is not None]
 
+    async def _vouched(self, spans: list[Span], entries: list[ChunkEntry]) -> list[ChunkEntry]:
+        """The entries, once none names a chunk whose copies may be gone (a daemon frozen for longer
+        than the gc grace with the file open, a store wiped: Uploader.unsure). Those spans are stored
+        again, from staging or, if dropped from it, from a copy left on some store; with none left the
+        commit fails and the previous version stays current."""
+        lost = await self._uploader.unsure(e.digest for e in entries)
+        if not lost:
+            return entries
+        log.warning("%s: %d chunks stored while the file was open lost their copies before the commit: "
+                    "storing them again", self.path, len(lost))
+        for span, entry in zip(spans, entries):
+            if entry.digest in lost and self._clean.pop(span, None) is not None:
+                self._clean_keys.remove(span)
+        return await self._store_all(spans)
+
     async def _commit(self, closing: bool) -> Manifest | None:
         size, mod = self._size, self._mod
         if closing and self._refused is not None and self._refused[0] == mod:
@@ -807,7 +839,7 @@ class WriteSession:
         index, points = await self._layout(size)
         reason = await self._incomplete(size, index)
         spans = cut(size, self._cs, points)
-        entries = await self._store_all(spans)
+        entries = await self._vouched(spans, await self._store_all(spans))
         manifest = Manifest(path=self.path, size=size, mtime_ns=self._mtime_ns, mode=self.mode,
                             chunk_size=self._cs, chunks=tuple(entries), version=0,
                             tensor_index=index.to_json() if index else None,
@@ -816,6 +848,7 @@ class WriteSession:
             return await self._refuse(manifest, mod, reason, closing)
         # One transaction: every name of the file (hard links) shows the new version, or none does.
         manifest = (await self._catalog.transact(manifest.at([self.path, *self.also])))[0]
+        self._uploader.settled(e.digest for e in entries)
         layout = set(spans)  # uploads outside it: overwritten, or the final layout cut differently
         self._discarded += sum(1 for key, (_, pending) in self._clean.items() if pending and key not in layout)
         self._clean = {span: (entry, False) for span, entry in zip(spans, entries)}
@@ -837,6 +870,7 @@ class WriteSession:
             return None
         try:
             failed = await self._catalog.commit_failed(manifest, reason)
+            self._uploader.settled(e.digest for e in manifest.chunks)
             kept = f"its {manifest.size} bytes are kept as failed version {failed.version}"
         except StoreError as e:
             log.warning("%s: could not record the incomplete file as a failed version: %s", self.path, e)

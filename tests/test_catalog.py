@@ -41,7 +41,7 @@ def make_pool(tmp_path: Path, stores: int = 2, replicas: int = 2, keep: int = 3,
 
 async def commit_bytes(catalog: Catalog, path: str, data: bytes) -> Manifest:
     enc = chunkfmt.encode(data)
-    held, _ = await catalog.pool.store_chunk(enc, catalog.pool.names[:2], quorum=1)
+    held, *_ = await catalog.pool.store_chunk(enc, catalog.pool.names[:2], quorum=1)
     m = Manifest(path=path, size=len(data), mtime_ns=1, mode=0o644, chunk_size=1 << 20,
                  chunks=(ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held)),),
                  version=0)

@@ -86,7 +86,7 @@ def _every_copy_good(tmp_path: Path, entry: ChunkEntry) -> bool:
 async def _store(pool: StorePool, data: bytes, targets: list[str] | None = None) -> ChunkEntry:
     enc = chunkfmt.encode(data)
     targets = targets or place(enc.digest, pool.names, pool.config.replicas)
-    held, _ = await pool.store_chunk(enc, targets, quorum=len(targets))
+    held, *_ = await pool.store_chunk(enc, targets, quorum=len(targets))
     return _entry(enc, held)
 
 
@@ -164,7 +164,7 @@ async def test_writes_below_quorum_fail_cleanly(tmp_path: Path) -> None:
     with pytest.raises(StoreUnavailable):
         await pool.put_quorum(["s1", "s2"], "manifests/x", b"{}", 2)
     assert await pool.put_quorum(["s1", "s2"], "manifests/x", b"{}", 1) == ["s2"]
-    assert await pool.store_chunk(enc, ["s0", "s1"], quorum=1) == (["s0"], False)   # s0 got it above
+    assert (await pool.store_chunk(enc, ["s0", "s1"], quorum=1))[:2] == (["s0"], False)   # s0 got it above
     for i in range(3):
         assert not [p for p in (tmp_path / f"s{i}").rglob("*") if p.name.endswith(".cpfs-tmp")]
 
@@ -180,7 +180,7 @@ async def test_down_in_config_is_a_drill_not_a_config_error(tmp_path: Path) -> N
     assert _down(pool, "s0") and pool.is_up("s1")
     entry = await _store(pool, b"x" * 5000, ["s1"])
     assert await pool.fetch_chunk(entry, "drill") == b"x" * 5000
-    held, _ = await pool.store_chunk(chunkfmt.encode(b"y" * 5000), ["s0", "s1"], quorum=1)
+    held, *_ = await pool.store_chunk(chunkfmt.encode(b"y" * 5000), ["s0", "s1"], quorum=1)
     assert held == ["s1"]
 
 
@@ -302,11 +302,11 @@ async def test_a_copy_a_read_found_corrupt_is_rewritten(tmp_path: Path) -> None:
     blob = bytearray(bad.read_bytes())
     blob[len(blob) // 2] ^= 0x01
     bad.write_bytes(blob)
-    assert await pool.store_chunk(chunkfmt.encode(data), list(entry.stores), 2) == (list(entry.stores), False)
+    assert (await pool.store_chunk(chunkfmt.encode(data), list(entry.stores), 2))[:2] == (list(entry.stores), False)
     assert not _every_copy_good(tmp_path, entry)            # not found without a read: the documented limit
     reader = StorePool(_config(tmp_path))     # idle: tries the entry's first copy, the corrupt one
     assert await reader.fetch_chunk(entry, "a read") == data
-    held, wrote = await reader.store_chunk(chunkfmt.encode(data), list(entry.stores), 2)
+    held, wrote, _ = await reader.store_chunk(chunkfmt.encode(data), list(entry.stores), 2)
     assert held == list(entry.stores) and wrote and _every_copy_good(tmp_path, entry)
 
 
@@ -318,7 +318,7 @@ async def test_differently_encoded_copy_is_kept(tmp_path: Path) -> None:
     raw, lz4 = chunkfmt.encode(data, "none"), chunkfmt.encode(data, "lz4")
     assert raw.blob != lz4.blob and raw.digest == lz4.digest
     await pool.store_chunk(raw, ["s0", "s1"], 2)
-    assert await pool.store_chunk(lz4, ["s0", "s1"], 2) == (["s0", "s1"], False)
+    assert (await pool.store_chunk(lz4, ["s0", "s1"], 2))[:2] == (["s0", "s1"], False)
     assert _copy(tmp_path, "s0", raw.digest).read_bytes() == raw.blob
 
 
@@ -405,7 +405,7 @@ async def test_a_copy_a_write_could_not_make_is_completed_in_the_background(tmp_
     enc = chunkfmt.encode(os.urandom(60_000))
     async with trio.open_nursery() as n:
         await n.start(pool.run)
-        held, _ = await pool.store_chunk(enc, ["s0", "s1"], quorum=1)
+        held, *_ = await pool.store_chunk(enc, ["s0", "s1"], quorum=1)
         assert held == ["s0"]
         with trio.fail_after(10):
             while not _copy(tmp_path, "s1", enc.digest).exists():

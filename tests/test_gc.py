@@ -7,6 +7,7 @@ primitives (stat, list_info, touch, delete_if_older) is in the store contract su
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -15,19 +16,23 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import pytest
+import torch
 import trio
 
 from cpfs import chunk as chunkfmt
 from cpfs.catalog import Catalog
 from cpfs.config import load_config, parse_config
-from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk
+from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk, CpfsError
 from cpfs.gc import GarbageCollector, GcReport
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest, path_hash
 from cpfs.pool import StorePool
 from cpfs.store import FaultyStore, Store, StoreWrapper, ThrottledStore, open_store
 from cpfs.store.directory import TMP_SUFFIX
+from cpfs.upload import RENEW_EVERY
+from cpfs.writer import WriteSession
 from tests.conftest import cpfs
 
 T = TypeVar("T")
@@ -47,11 +52,22 @@ def _config(tmp_path: Path, *, keep: int = 2, gc_grace: str = "60s", name: str =
     return path
 
 
-def _pool(cfg: Path, wrap: Callable[[Store], Store] | None = None) -> StorePool:
+def _pool(cfg: Path, wrap: Callable[[Store], Store] | None = None, clock: Callable[[], float] = time.time) -> StorePool:
     """A pool of its own over the config's folders: another mount, or the host that runs gc."""
     config = load_config(cfg)
     stores = [open_store(s) for s in config.stores]
-    return StorePool(config, stores=[wrap(s) for s in stores] if wrap else stores)
+    return StorePool(config, stores=[wrap(s) for s in stores] if wrap else stores, clock=clock)
+
+
+class Clock:
+    """The wall clock of a mount whose file stayed open while hours passed: `ahead` of the real one.
+    The test ages the stores' copies by as much (os.utime), so both agree on what is old."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.ahead
 
 
 def _stores_root(tmp_path: Path) -> Path:
@@ -311,13 +327,13 @@ async def test_dedup_touches_an_old_copy_it_reuses_and_only_an_old_one(tmp_path:
     await pool.store_chunk(enc, ["s0", "s1"], 2)
     copies = [p for p in _chunk_files(tmp_path) if p.name == enc.digest]
     _age_chunks(tmp_path, age=1000)                          # < 30 min: no touch
-    assert await pool.store_chunk(enc, ["s0", "s1"], 2) == (["s0", "s1"], False)
+    assert (await pool.store_chunk(enc, ["s0", "s1"], 2))[:2] == (["s0", "s1"], False)
     assert pool.replica_statistics().touched == 0
     assert all(p.stat().st_mtime < time.time() - 900 for p in copies)
     _age_chunks(tmp_path, age=2000)                          # > 30 min: touched
     written = [s.bytes_written for s in pool.statistics()]
     t0 = time.time()
-    assert await pool.store_chunk(enc, ["s0", "s1"], 2) == (["s0", "s1"], False)
+    assert (await pool.store_chunk(enc, ["s0", "s1"], 2))[:2] == (["s0", "s1"], False)
     assert pool.replica_statistics().touched == 2
     assert all(p.stat().st_mtime >= t0 - 1 for p in copies)
     assert [s.bytes_written for s in pool.statistics()] == written
@@ -567,3 +583,142 @@ async def test_a_claim_left_by_a_killed_gc_is_put_back(tmp_path: Path) -> None:
     await _gc(cfg)
     assert claimed.exists() and not claim.exists() and not stale.exists() and rewritten.exists()
     assert _missing_copies(tmp_path, m) == [] and await w.read("/kept.bin") == data
+
+
+# ---- files open for longer than the grace ---------------------------------------------------------------
+
+class OpenFile:
+    """A file written through the file layer (cpfs/writer.py) by a mount whose clock the test moves on."""
+
+    def __init__(self, tmp_path: Path, cfg: Path, path: str) -> None:
+        self.tmp_path, self.path = tmp_path, path
+        self.clock = Clock()
+        self.pool = _pool(cfg, clock=self.clock)
+        self.catalog = Catalog(self.pool, writer="d4")
+
+    def session(self, nursery: trio.Nursery) -> WriteSession:
+        return WriteSession(self.pool, self.catalog, self.path, staging_dir=self.tmp_path / "staging",
+                            nursery=nursery)
+
+    def hours_pass(self, copies: set[Path]) -> None:
+        """AGE seconds go by: on this mount's clock, and for the copies' mtimes."""
+        self.clock.ahead += AGE
+        for p in copies:
+            st = p.stat()
+            os.utime(p, (st.st_atime - AGE, st.st_mtime - AGE))
+
+
+async def _until(condition: Callable[[], bool], seconds: float) -> None:
+    with trio.move_on_after(seconds):
+        while not condition():
+            await trio.sleep(0.05)
+
+
+async def test_a_file_open_for_hours_keeps_what_it_stored_while_gc_runs(tmp_path: Path) -> None:
+    """A file held open for writing for two hours (a slow save, a log appended to) while gc runs. The
+    chunks write-behind stored first are named by no version until the close commits, and they are
+    older than the grace; the session renews them while the file is open (upload: Renewal), so gc
+    spares them and the commit reads back whole. Before, gc took them and the committed file was lost."""
+    cfg = _config(tmp_path)
+    f = OpenFile(tmp_path, cfg, "/run/train.log")
+    first, second = os.urandom(16 * 65536), os.urandom(100_000)
+    async with trio.open_nursery() as n:
+        s = f.session(n)
+        await s.write(0, first)
+        await _until(lambda: s.statistics().chunks_streamed >= 15, 120)   # the last waits for more bytes
+        stored = set(_chunk_files(tmp_path))
+        assert s.statistics().chunks_streamed >= 15 and stored
+        f.hours_pass(stored)
+        # The session looks for due renewals every RENEW_EVERY of the grace (7.5 s here).
+        await _until(lambda: s.statistics().chunks_renewed >= 15, RENEW_EVERY * GRACE + 20)
+        report = await _gc(cfg)
+        await s.write(len(first), second)
+        m = await s.flush()
+        await s.aclose()
+    assert report.refused == ""
+    assert _missing_copies(tmp_path, m) == []
+    assert await Writer(tmp_path, cfg, "e5").read("/run/train.log") == first + second
+    assert s.statistics().chunks_renewed >= 15 and s.statistics().chunks_lost == 0
+    assert f.pool.replica_statistics().renewed >= 2 * 15
+
+
+def _checkpoint(seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    buf = io.BytesIO()
+    torch.save({f"layer{i}.weight": torch.randn(256, 256, generator=g) for i in range(6)}, buf)
+    return buf.getvalue()
+
+
+def _plain(seed: int) -> bytes:
+    return np.random.default_rng(seed).bytes(10 * 65536 + 1000)
+
+
+@pytest.mark.parametrize("make", [_checkpoint, _plain], ids=["checkpoint", "plain"])
+@pytest.mark.parametrize("left", ["one copy", "no copy"])
+async def test_a_file_whose_stored_chunks_went_while_it_was_open(tmp_path: Path, left: str,
+                                                                  make: Callable[[int], bytes]) -> None:
+    """A file written in order through the file layer (a torch.save, or any file): write-behind stored
+    its chunks and dropped them from staging. The daemon is then frozen with the file open for longer
+    than the grace, and a gc, or a store's loss, takes the copies (one of each chunk's two, or both).
+    The commit renews what is due first and finds them gone. With one copy left it copies each lost
+    chunk back from it and stores it again: the file reads back whole. With none, the close fails, and
+    the previous version stays current and whole (rule one)."""
+    cfg = _config(tmp_path)
+    before_data = make(1)
+    before = await Writer(tmp_path, cfg, "a1").put("/f", before_data)
+    kept = set(_chunk_files(tmp_path))
+    f = OpenFile(tmp_path, cfg, "/f")
+    data = make(2)
+    async with trio.open_nursery() as n:
+        s = f.session(n)
+        for at in range(0, len(data), 100_000):
+            await s.write(at, data[at:at + 100_000])
+        await _until(lambda: s.statistics().chunks_dropped >= 4, 120)
+        assert s.statistics().chunks_dropped >= 4
+        new = set(_chunk_files(tmp_path)) - kept
+        f.hours_pass(new)
+        by_digest: dict[str, list[Path]] = {}
+        for p in sorted(new):
+            by_digest.setdefault(p.name, []).append(p)
+        for copies in by_digest.values():
+            for p in copies[1:] if left == "one copy" else copies:
+                p.unlink()
+        if left == "one copy":
+            m = await s.flush()
+        else:
+            with pytest.raises(CpfsError, match="no replica of chunk"):
+                await s.flush()
+        await s.aclose()
+    if left == "one copy":
+        assert _missing_copies(tmp_path, m) == []
+        assert await Writer(tmp_path, cfg, "e5").read("/f") == data
+    else:
+        assert (await Writer(tmp_path, cfg, "e5").catalog.get("/f")).version == before.version
+        assert await Writer(tmp_path, cfg, "f6").read("/f") == before_data
+    assert s.statistics().chunks_lost >= 4
+
+
+async def test_a_put_that_outlasts_the_grace_stores_again_what_went_meanwhile(tmp_path: Path) -> None:
+    """`cpfs put` of a file whose last chunk's upload stalls for hours (a store that hangs, then
+    answers): meanwhile the chunks it stored first age past the grace and a gc takes them. Before the
+    commit the importer renews what is due, finds them gone and stores them again from the file: the
+    committed file reads back whole."""
+    cfg = _config(tmp_path)
+    data = os.urandom(5 * 65536)
+    last = chunkfmt.chunk_key(chunkfmt.encode(data[4 * 65536:]).digest)
+    wrap, reached, release = _pausing("put", last)
+    clock = Clock()
+    pool = _pool(cfg, wrap, clock)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    async with trio.open_nursery() as n:
+        done = await _start_until_paused(n, lambda: Importer(pool, Catalog(pool, writer="a1")).put_file(src, "/p"),
+                                         reached)
+        await _until(lambda: len(_chunk_files(tmp_path)) == 2 * 4, 60)
+        clock.ahead = AGE
+        _age_chunks(tmp_path)
+        report = await _gc(cfg)
+        assert sum(s.deleted for s in report.stores) == 2 * 4
+        release.set()
+    assert _missing_copies(tmp_path, done[0]) == []
+    assert await Writer(tmp_path, cfg, "e5").read("/p") == data

@@ -552,10 +552,10 @@ async def test_pool_works_over_every_kind(store: Store, tmp_path: Path) -> None:
                      stores=[store])
     data = os.urandom(200_000)
     enc = chunkfmt.encode(data)
-    assert await pool.store_chunk(enc, ["s0"], quorum=1) == (["s0"], True)
+    assert (await pool.store_chunk(enc, ["s0"], quorum=1))[:2] == (["s0"], True)
     entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, ("s0",))
     assert await pool.fetch_chunk(entry, "file f offset 0 chunk 0") == data
-    assert await pool.store_chunk(enc, ["s0"], quorum=1) == (["s0"], False)
+    assert (await pool.store_chunk(enc, ["s0"], quorum=1))[:2] == (["s0"], False)
     keys = [f"manifests/{i:03d}" for i in range(7)]
     assert await pool.put_quorum(["s0"], keys[0], b"m", 1) == ["s0"]
     for k in keys[1:]:
@@ -576,7 +576,7 @@ def _pool(tmp_path: Path, stores: int = 2) -> StorePool:
 
 async def _stored(pool: StorePool, data: bytes) -> ChunkEntry:
     enc = chunkfmt.encode(data)
-    held, new = await pool.store_chunk(enc, pool.names, quorum=2)
+    held, new, _ = await pool.store_chunk(enc, pool.names, quorum=2)
     assert new and held == pool.names
     return ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held))
 
@@ -591,7 +591,7 @@ async def test_pool_store_chunk_dedups(tmp_path: Path) -> None:
     data = os.urandom(100_000)
     entry = await _stored(pool, data)
     before = [s.bytes_written for s in pool.statistics()]
-    held, new = await pool.store_chunk(chunkfmt.encode(data), pool.names, quorum=2)
+    held, new, _ = await pool.store_chunk(chunkfmt.encode(data), pool.names, quorum=2)
     assert held == ["s0", "s1"] and not new
     assert [s.bytes_written for s in pool.statistics()] == before == [entry.stored_len] * 2
 
@@ -627,7 +627,7 @@ async def test_pool_all_replicas_bad(tmp_path: Path, caplog: pytest.LogCaptureFi
     pool = _pool(tmp_path, stores=3)
     data = os.urandom(50_000)
     enc = chunkfmt.encode(data)
-    held, _ = await pool.store_chunk(enc, ["s1", "s2"], quorum=2)
+    held, *_ = await pool.store_chunk(enc, ["s1", "s2"], quorum=2)
     entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held))
     _chunk_file(tmp_path, "s1", entry).write_bytes(b"CPFC garbage")
     _chunk_file(tmp_path, "s2", entry).unlink()
