@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from . import buffers, daemon, stats
+from . import buffers, daemon, roster, stats
 from .cache import ChunkCache
 from .catalog import Catalog, Unreadable
 from .config import GC_GRACE_FLOOR, Config, load_config, parse_duration
@@ -52,10 +52,13 @@ async def _run(command: Callable[[Config, argparse.Namespace], Awaitable[int]], 
             n.cancel_scope.cancel()
 
 
-async def _open(config: Config) -> tuple[StorePool, Catalog]:
-    """The stores, checked before anything is read or written."""
+async def _open(config: Config, *, writes: bool = False) -> tuple[StorePool, Catalog]:
+    """The stores, checked before anything is read or written; a command that `writes` enrolls its
+    config in the stores' roster first (cpfs/roster.py)."""
     pool = StorePool(config)
     await pool.check()
+    if writes:
+        await roster.enroll(pool)
     await _background.get().start(pool.run)
     return pool, Catalog(pool, journal=VoidJournal.for_config(config))
 
@@ -67,7 +70,7 @@ async def cmd_put(config: Config, args: argparse.Namespace) -> int:
     if not src.exists():
         raise NotFound(f"{src}: no such file or folder")
     total = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size
-    pool, catalog = await _open(config)
+    pool, catalog = await _open(config, writes=True)
     t0 = time.monotonic()
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not sys.stderr.isatty(),
               desc="put", file=sys.stderr) as bar:
@@ -181,7 +184,7 @@ async def cmd_cat(config: Config, args: argparse.Namespace) -> int:
 
 
 async def cmd_rm(config: Config, args: argparse.Namespace) -> int:
-    _, catalog = await _open(config)
+    _, catalog = await _open(config, writes=True)
     path = normalize_path(args.path)
     manifests = await catalog.load_all()
     def is_dir(p: str) -> bool:
@@ -232,7 +235,7 @@ async def cmd_log(config: Config, args: argparse.Namespace) -> int:
 
 
 async def cmd_restore(config: Config, args: argparse.Namespace) -> int:
-    _, catalog = await _open(config)
+    _, catalog = await _open(config, writes=True)
     path = normalize_path(args.path)
     m = await catalog.restore(path, args.version)
     print(f"restored {path} to the content of version {args.version} as version {m.version} "
@@ -246,7 +249,7 @@ async def cmd_scrub(config: Config, args: argparse.Namespace) -> int:
 
     from .scrub import Scrubber, render
 
-    pool, catalog = await _open(config)
+    pool, catalog = await _open(config, writes=args.repair)
     scrubber = Scrubber(pool, catalog)
 
     def draw(bar: tqdm) -> None:
@@ -307,7 +310,7 @@ async def cmd_gc(config: Config, args: argparse.Namespace) -> int:
                           f"shorter grace could delete one a commit in flight counts on (lower gc_grace for "
                           f"the mounts first)")
     pool, _ = await _open(config)
-    report = await GarbageCollector(pool, grace=grace, dry_run=args.dry_run).run()
+    report = await GarbageCollector(pool, grace=grace, dry_run=args.dry_run, forget=args.forget_store).run()
     print(json.dumps(report.to_json(), indent=1) if args.json else "\n".join(report.lines(_human)))
     return 1 if report.refused else 0
 
@@ -375,7 +378,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
     s.add_argument("--json", action="store_true")
     s.add_argument("--grace", type=_grace, metavar="DURATION",
-                   help="only objects older than this (default: gc_grace; not below it)")
+                   help="only objects older than this (default: gc_grace; not below it, nor below the "
+                        "longest gc_grace of the stores' roster)")
+    s.add_argument("--forget-store", action="append", default=[], metavar="NAME",
+                   help="a store retired for good (its copies moved by scrub --repair): it leaves the "
+                        "stores' roster, which otherwise makes gc refuse a config without it")
     s = sub.add_parser("mount", parents=[common], help="mount; returns once the mount is live")
     s.add_argument("mountpoint")
     s.add_argument("--foreground", action="store_true", help="stay attached; SIGINT/SIGTERM unmount")

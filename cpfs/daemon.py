@@ -29,7 +29,7 @@ from .cache import ChunkCache
 from .catalog import Catalog
 from .config import Config, staging_dir
 from .errors import ConfigError, CpfsError
-from . import metrics
+from . import metrics, roster
 from .fs import CpfsOperations, mount_options
 from .learned import Learner
 from .namespace import Namespace
@@ -96,6 +96,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     check_staging_place(config, staging_dir(config))     # before any store work (prepare_staging checks again)
     pool = StorePool(config)
     await pool.check()
+    await roster.enroll(pool)              # before any write: what a gc with another config must see
     catalog = Catalog(pool, journal=VoidJournal.for_config(config))
     await catalog.retry_voids()            # failed commits an earlier process could not void yet
     if catalog.statistics().unvoided:

@@ -54,9 +54,11 @@ Assumptions (the caveats):
 2. The clocks of the stores' hosts (file servers, S3 endpoints) and of the host running gc agree within
    a margin well below gc_grace/2.
 3. gc's grace is at least the gc_grace of every mount's config (a mount touches only copies older than
-   half of its own); `cpfs gc` refuses a `--grace` below its own config's gc_grace.
-4. gc runs with the mounts' stores (their config), and a listing shows every key written before it
-   began (folders; S3 and current RGW/MinIO are strongly consistent).
+   half of its own): `cpfs gc` refuses a `--grace` below its own config's gc_grace, and raises it to the
+   longest gc_grace the stores' roster holds (cpfs/roster.py: every writer enrolls its config).
+4. gc runs with the mounts' stores (their config): it refuses while the roster names a store its config
+   lacks. And a listing shows every key written before it began (folders; S3 and current RGW/MinIO are
+   strongly consistent).
 5. A file written through a mount without O_TRUNC commits its unchanged base chunks by reference,
    unchecked, and a session's later commits the chunks its earlier ones named: they are safe while
    that version is kept, so ≥ keep_versions commits of the same path from other mounts during that
@@ -67,12 +69,13 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import trio
 
+from . import roster
 from .catalog import TXN_PREFIX, VersionRef, txn_key, txns_listed
 from .errors import ManifestError, NoSuchObject, StoreError
 from .manifest import Manifest
@@ -175,15 +178,52 @@ class _Tally:
 
 class GarbageCollector:
     """One gc run over the pool's stores (see the module doc); `run()` returns its report.
-    `grace` is not checked against any floor here (tests use 0): `cpfs gc` enforces the config's."""
+    `grace` is not checked against any floor here (tests use 0): `cpfs gc` enforces the config's, and
+    the stores' roster (cpfs/roster.py) raises it to the longest gc_grace any writer enrolled.
+    `forget`: stores retired for good, whose enrollments leave the roster (not in a dry run)."""
 
-    def __init__(self, pool: StorePool, *, grace: float, dry_run: bool = False) -> None:
+    def __init__(self, pool: StorePool, *, grace: float, dry_run: bool = False,
+                 forget: Collection[str] = ()) -> None:
         self.pool = pool
         self.grace = grace
         self.dry_run = dry_run
+        self.forget = frozenset(forget)
+
+    async def _checked_roster(self) -> str:
+        """Why gc must not run with this config ("" if it may), after the roster's grace is taken."""
+        listed, problems = await roster.read(self.pool)
+        if problems:
+            return "; ".join(problems)
+        if wrong := sorted(self.forget & set(self.pool.names)):
+            return f"--forget-store {', '.join(wrong)}: in this config, so not retired"
+        if missing := sorted(listed.stores - set(self.pool.names) - self.forget):
+            return (f"the mounts of these stores also use store(s) {', '.join(missing)} (their roster, "
+                    f"{roster.PREFIX}), which this config lacks: versions whose manifests live there would "
+                    f"go unseen and their chunks be deleted. Run gc with the mounts' config; once a store "
+                    f"is retired for good (`cpfs scrub --repair` moved its copies), `cpfs gc "
+                    f"--forget-store NAME`")
+        if not listed.enrollments:
+            log.warning("gc: no store holds a roster yet (no mount or put of this version wrote to them): "
+                        "it cannot check that this config names every store the mounts use")
+        if listed.gc_grace > self.grace:
+            log.info("gc: grace %gs, the longest gc_grace a writer of these stores enrolled (asked: %gs)",
+                     listed.gc_grace, self.grace)
+            self.grace = listed.gc_grace
+        if self.forget and not self.dry_run:
+            n = await roster.forget(self.pool, listed, self.forget)
+            log.info("gc: store(s) %s left the roster (%d enrollments deleted)", ", ".join(sorted(self.forget)), n)
+        return ""
 
     async def run(self) -> GcReport:
         """The three steps of the module doc, or a refusal after the second."""
+        try:
+            refused = await self._checked_roster()
+        except StoreError as e:
+            refused = str(e)
+        if refused:
+            log.error("gc refused, nothing deleted: %s", refused)
+            return GcReport(grace=self.grace, dry_run=self.dry_run, manifests=0, referenced=0, refused=refused,
+                            stores=())
         cutoff = time.time() - self.grace               # before any listing: see the invariant
         records, problems = await self._list([TXN_PREFIX])      # before the manifests: see the doc
         listed, void = txns_listed(records)

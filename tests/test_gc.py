@@ -12,7 +12,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,12 +22,14 @@ import torch
 import trio
 
 from cpfs import chunk as chunkfmt
+from cpfs import roster
 from cpfs.catalog import Catalog
 from cpfs.config import load_config, parse_config
 from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk, CpfsError
 from cpfs.gc import GarbageCollector, GcReport
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest, path_hash
+from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.store import FaultyStore, Store, StoreWrapper, ThrottledStore, open_store
 from cpfs.store.directory import TMP_SUFFIX
@@ -41,14 +43,16 @@ GRACE = 60.0                    # the gc's grace, as a real run would use (the f
 SIZE = 200_000                  # 4 chunks of 64 KiB (the last one short)
 
 
-def _config(tmp_path: Path, *, keep: int = 2, gc_grace: str = "60s", name: str = "cpfs.toml") -> Path:
-    """A config over three folder stores under tmp_path/cfg/stores (every config of a test shares them)."""
+def _config(tmp_path: Path, *, keep: int = 2, gc_grace: str = "60s", name: str = "cpfs.toml",
+            stores: Iterable[int] = range(3)) -> Path:
+    """A config over folder stores s0, s1, s2 (or `stores`) under tmp_path/cfg/stores (every config of
+    a test shares them)."""
     folder = tmp_path / "cfg"
     folder.mkdir(exist_ok=True)
     path = folder / name
     path.write_text(f'replicas = 2\nchunk_size = "64KiB"\nkeep_versions = {keep}\ngc_grace = "{gc_grace}"\n'
                     '[cache]\nmemory = "64MiB"\n'
-                    + "".join(f'[[store]]\nname = "s{i}"\nurl = "stores/s{i}"\n' for i in range(3)))
+                    + "".join(f'[[store]]\nname = "s{i}"\nurl = "stores/s{i}"\n' for i in stores))
     return path
 
 
@@ -526,7 +530,7 @@ async def test_an_unreadable_version_makes_gc_refuse_to_delete_anything(tmp_path
         p.unlink()
 
     down = await _gc(cfg, wrap=lambda s: FaultyStore(s, down=True) if s.name == "s2" else s)
-    assert down.stores == () and "store 's2': cannot list the manifests" in down.refused
+    assert down.stores == () and "store 's2': cannot list its roster" in down.refused    # read first
     assert _chunk_files(tmp_path) == before
     assert (await _gc(cfg)).freed_objects == 2 * len(m.chunks) + 2 * 4     # a.bin v1, and b.bin's chunks
 
@@ -722,3 +726,118 @@ async def test_a_put_that_outlasts_the_grace_stores_again_what_went_meanwhile(tm
         release.set()
     assert _missing_copies(tmp_path, done[0]) == []
     assert await Writer(tmp_path, cfg, "e5").read("/p") == data
+
+
+# ---- the stores' roster: a gc with another config than the mounts' ---------------------------------------
+
+def _lost_to_a_partial_gc(seed: int = 7) -> tuple[str, bytes]:
+    """A path whose manifests go to stores s2 and s3 and content (one chunk) whose copies go to s0 and
+    s1, of stores s0-s3: a gc that knows only s0 and s1 sees no version naming the chunk."""
+    rng = np.random.default_rng(seed)
+    names = [f"s{i}" for i in range(4)]
+    path = next(p for p in (f"/run/step_{i}.pt" for i in range(1000))
+                if set(place(path_hash(p), names, 2)) == {"s2", "s3"})
+    data = next(d for d in (rng.bytes(50_000) for _ in range(1000))
+                if set(place(chunkfmt.encode(d).digest, names, 2)) == {"s0", "s1"})
+    return path, data
+
+
+@pytest.mark.parametrize("enrolled", [True, False])
+async def test_gc_with_a_config_that_lacks_stores_the_mounts_use_refuses(tmp_path: Path, enrolled: bool) -> None:
+    """Mounts use stores s0-s3; a cron job's `cpfs gc` has an old config that knows only s0 and s1. A
+    checkpoint whose manifests live on s2 and s3 names chunks on s0 and s1: that gc sees no version
+    naming them. With the stores' roster (every writer enrolls its config) gc refuses, names the
+    stores it lacks and deletes nothing. Control: stores that hold no roster (written before it
+    existed) give gc nothing to check, and the checkpoint is lost."""
+    full = _config(tmp_path, stores=range(4))
+    partial = _config(tmp_path, stores=range(2), name="old-cron.toml")
+    w = Writer(tmp_path, full, "a1")
+    if enrolled:
+        await roster.enroll(w.pool)
+    path, data = _lost_to_a_partial_gc()
+    await w.put(path, data)
+    _age_chunks(tmp_path)
+    report = await _gc(partial)
+    if enrolled:
+        assert "s2, s3" in report.refused and "--forget-store" in report.refused
+        assert report.stores == ()
+        assert await Writer(tmp_path, full, "b2").read(path) == data
+    else:
+        assert report.refused == "" and sum(s.deleted for s in report.stores) == 2
+        with pytest.raises(ChunkUnavailable):
+            await Writer(tmp_path, full, "b2").read(path)
+
+
+async def test_gc_takes_the_longest_gc_grace_a_writer_enrolled(tmp_path: Path) -> None:
+    """A mount whose gc_grace is 10 h reuses copies up to 5 h old without touching them; a gc with a
+    config of 60 s would take them (test_gc_between_a_commits_chunk_check_and_its_manifest). The
+    mount's enrollment makes gc's grace 10 h: a 2-hour-old unreferenced chunk stays. Without it, the
+    same gc deletes it."""
+    cfg = _config(tmp_path)
+    orphan = chunkfmt.encode(os.urandom(5000))
+    pool = _pool(cfg)
+    await pool.store_chunk(orphan, ["s0", "s1"], 2)
+    _age_chunks(tmp_path)
+    await roster.enroll(_pool(_config(tmp_path, gc_grace="10h", name="mount.toml")))
+    report = await _gc(cfg)
+    assert report.refused == "" and report.grace == 36000
+    assert sum(s.deleted for s in report.stores) == 0 and sum(s.young for s in report.stores) == 2
+    for p in _stores_root(tmp_path).glob("s*/roster/*.json"):
+        p.unlink()
+    report = await _gc(cfg)
+    assert report.grace == GRACE and sum(s.deleted for s in report.stores) == 2
+
+
+async def test_a_retired_store_leaves_the_roster_by_forget_store(tmp_path: Path) -> None:
+    """Store s3 is retired: the mounts' config drops it (scrub --repair moved its copies). gc with the
+    new config refuses while the roster names s3; `--forget-store s3` in a dry run still changes
+    nothing; for real it deletes the enrollments naming s3, enrolls its own config and runs; the next
+    gc runs without it. Forgetting a store the config has is refused."""
+    old, new = _config(tmp_path, stores=range(4)), _config(tmp_path, name="new.toml")
+    await roster.enroll(_pool(old))
+    assert "s3" in (await _gc(new)).refused
+    dry = await GarbageCollector(_pool(new), grace=GRACE, dry_run=True, forget=["s3"]).run()
+    assert dry.refused == "" and "s3" in (await _gc(new)).refused
+    assert "in this config" in (await GarbageCollector(_pool(new), grace=GRACE, forget=["s2"]).run()).refused
+    done = await GarbageCollector(_pool(new), grace=GRACE, forget=["s3"]).run()
+    assert done.refused == ""
+    listed, problems = await roster.read(_pool(new))
+    assert problems == [] and listed.stores == {"s0", "s1", "s2"}
+    assert (await _gc(new)).refused == ""
+
+
+async def test_a_roster_object_that_is_not_an_enrollment_makes_gc_refuse(tmp_path: Path) -> None:
+    """Bad stored metadata is an error that loses nothing: gc cannot tell which stores the mounts use."""
+    cfg = _config(tmp_path)
+    pool = _pool(cfg)
+    await roster.enroll(pool)
+    [key] = {p.name for p in _stores_root(tmp_path).glob("s*/roster/*.json")}
+    for p in _stores_root(tmp_path).glob(f"s*/roster/{key}"):
+        p.write_text('{"format": 1, "stores": "s0"}')
+    report = await _gc(cfg)
+    assert "not a store enrollment" in report.refused and report.stores == ()
+
+
+def test_writers_enroll_and_cpfs_gc_with_an_old_config_refuses(tmp_path: Path, mount) -> None:
+    """Through the tools: a mount and `cpfs put` enroll their config; `cpfs gc` with a config that
+    lacks a store they use exits 1, says why, and deletes nothing (also with --dry-run)."""
+    full = _config(tmp_path, stores=range(4))
+    with open(full, "a") as f:
+        f.write(f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    partial = _config(tmp_path, stores=range(3), name="old-cron.toml")
+    m = mount(full)
+    (m.path / "a.bin").write_bytes(os.urandom(200_000))
+    m.stop()
+    assert sorted(p.parent.parent.name for p in _stores_root(tmp_path).glob("s*/roster/*.json")) == \
+        ["s0", "s1", "s2", "s3"]
+    src = tmp_path / "b.bin"
+    src.write_bytes(os.urandom(100_000))
+    cpfs("put", str(src), "b.bin", config=partial)      # a writer with the old config enrolls it too
+    assert len({p.name for p in _stores_root(tmp_path).glob("s*/roster/*.json")}) == 2
+    _age_chunks(tmp_path)
+    chunks = _chunk_files(tmp_path)
+    for extra in ([], ["--dry-run"]):
+        r = cpfs("gc", *extra, config=partial, check=False)
+        assert r.returncode == 1 and b"s3" in r.stdout + r.stderr and b"refused" in r.stdout + r.stderr
+    assert _chunk_files(tmp_path) == chunks
+    assert cpfs("gc", config=full).returncode == 0

@@ -1,0 +1,153 @@
+"""The stores' roster: which stores, and which gc_grace, the writers of these stores use.
+
+Why. `cpfs gc` takes a chunk for garbage when no manifest it can read names it, and it reads the
+manifests on the stores of its own config. Run with a config that lacks some of the mounts' stores, it
+misses the versions whose manifests live only there and deletes their chunks; run with a gc_grace
+shorter than a mount's, it deletes copies that mount reuses without touching (cpfs/gc.py, assumption
+3). Either is one config mistake away (a cron job's config that did not get the new store).
+
+So every writer (a mount, `cpfs put`, `rm`, `restore`, `scrub --repair`) enrolls its config on its
+stores before it writes: one object per distinct config, `roster/<hash>.json`, holding the config's
+store names and gc_grace. Writers with different configs write different keys, so none overwrites
+another's (no read-modify-write to race). gc reads every enrollment on every store it has and refuses
+while one names a store its own config lacks; it takes the longest gc_grace one names as its grace.
+A store retired for good (`cpfs scrub --repair` moved its copies to the current placement) leaves the
+roster by `cpfs gc --forget-store NAME`, which deletes the enrollments naming it and enrolls gc's own
+config; a mount that still lists it enrolls it again at its next start.
+
+Caveats: a roster is only as complete as its writers' enrollments. Stores written before rosters
+existed have none until a writer starts; an enrollment that no store took is logged by its writer. A
+config whose store names differ from the mounts' for the same folders or buckets is not recognised
+(store names are part of the manifest format already: they must agree anyway).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from .errors import ManifestError, NoSuchObject, StoreError
+from .pool import StorePool
+from .sync import fan_out
+
+log = logging.getLogger(__name__)
+
+PREFIX = "roster/"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Enrollment:
+    """One config's store names (sorted) and gc_grace (seconds)."""
+
+    stores: tuple[str, ...]
+    gc_grace: float
+
+    @classmethod
+    def of(cls, pool: StorePool) -> Enrollment:
+        return cls(tuple(sorted(pool.names)), pool.config.gc_grace)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT, "stores": list(self.stores), "gc_grace": self.gc_grace},
+                          sort_keys=True).encode()
+
+    @property
+    def key(self) -> str:
+        return f"{PREFIX}{hashlib.sha256(self.to_bytes()).hexdigest()[:32]}.json"
+
+    @classmethod
+    def parse(cls, key: str, data: bytes) -> Enrollment:
+        """ManifestError (bad stored metadata) if the object is not an enrollment of this format."""
+        try:
+            doc = json.loads(data)
+            stores, grace = doc["stores"], doc["gc_grace"]
+            ok = (doc.get("format") == FORMAT and isinstance(stores, list) and stores
+                  and all(isinstance(s, str) and s for s in stores)
+                  and isinstance(grace, (int, float)) and math.isfinite(grace) and grace > 0)
+        except (ValueError, TypeError, KeyError):
+            ok = False
+        if not ok:
+            raise ManifestError(f"roster object {key}: not a store enrollment of format {FORMAT}")
+        return cls(tuple(sorted(stores)), float(grace))
+
+
+@dataclass(frozen=True)
+class Roster:
+    """Every enrollment the stores hold, and which stores list each."""
+
+    enrollments: dict[str, Enrollment]
+    where: dict[str, list[str]]
+
+    @property
+    def stores(self) -> frozenset[str]:
+        return frozenset(s for e in self.enrollments.values() for s in e.stores)
+
+    @property
+    def gc_grace(self) -> float:
+        """The longest gc_grace of any writer: 0 if there is no enrollment."""
+        return max((e.gc_grace for e in self.enrollments.values()), default=0.0)
+
+    def naming(self, store: str) -> list[str]:
+        """The keys of the enrollments that name `store`."""
+        return [k for k, e in self.enrollments.items() if store in e.stores]
+
+
+async def enroll(pool: StorePool) -> None:
+    """Put this config's enrollment on each of its stores that lacks it. Best effort: a store that
+    fails is logged (gc reads the enrollment from any store that holds it)."""
+    mine = Enrollment.of(pool)
+
+    async def one(name: str) -> None:
+        if not await pool.exists(name, mine.key):
+            await pool.put(name, mine.key, mine.to_bytes())
+
+    out = await fan_out(one, pool.names, catch=StoreError)
+    for name, e in out.errors:
+        log.warning("store %r: could not enroll this config's stores in its roster (%s): a `cpfs gc` with "
+                    "a config that lacks some of them could not tell", name, e)
+
+
+async def read(pool: StorePool) -> tuple[Roster, list[str]]:
+    """The roster from every store of the pool, and what could not be read (store, key: why)."""
+    where: dict[str, list[str]] = {}
+    problems: list[str] = []
+
+    async def listing(name: str) -> None:
+        for key in await pool.list_keys(name, PREFIX):
+            where.setdefault(key, []).append(name)
+
+    out = await fan_out(listing, pool.names, catch=StoreError)
+    problems += [f"store {name!r}: cannot list its roster: {e.detail}" for name, e in out.errors]
+    enrollments: dict[str, Enrollment] = {}
+
+    async def get(key: str) -> None:
+        errors = []
+        for name in where[key]:
+            try:
+                enrollments[key] = Enrollment.parse(key, await pool.get(name, key))
+                return
+            except NoSuchObject:
+                return          # deleted since the listing (a forget): it no longer counts
+            except (StoreError, ManifestError) as e:
+                errors.append(f"{name}: {e}")
+        problems.append(f"roster object {key} cannot be read: {'; '.join(errors)}")
+
+    await fan_out(get, list(where), catch=())
+    return Roster(enrollments, {k: where[k] for k in enrollments}), problems
+
+
+async def forget(pool: StorePool, roster: Roster, stores: Collection[str]) -> int:
+    """Delete every enrollment that names one of `stores` from every store that lists it, then enroll
+    this config: the stores it names are the roster's again. Returns how many enrollments went."""
+    gone = {k for s in stores for k in roster.naming(s)}
+    for key in gone:
+        for name in roster.where[key]:
+            try:
+                await pool.delete(name, key)
+            except StoreError as e:
+                raise StoreError(name, f"could not delete roster object {key}: {e.detail}") from None
+    await enroll(pool)
+    return len(gone)
