@@ -14,6 +14,13 @@ buffers of other classes), else not tracked (freed as any object once unreferenc
 are what the cache and the readers hold anyway; idle ones are at most `max_bytes`, and `trim()`
 (the daemon calls it once reads stop for a few seconds) frees them.
 
+Buffers of HUGE bytes or more ask for transparent huge pages (madvise; the kernel's default THP mode
+is "madvise"): an O_DIRECT read into a 4 MiB chunk's buffer then pins 2 MiB pages, not 4 KiB ones, and
+a fresh buffer faults in two pages instead of a thousand. Cold torch.load of 8 tensors of 64 MiB
+through a mount over 3 folder stores, 6 alternated rounds of 3 loads: 0.56 s median against 0.68 s
+without (fresh mount 0.62 against 0.73), for the same daemon CPU (0.83-0.85 CPU-s per GiB); 0.5-2 MiB
+tensors (buffers below HUGE) move within noise (0.68 against 0.70 s).
+
 Invariant: a buffer is written only by the thread that took it, before it hands out any view of it.
 """
 from __future__ import annotations
@@ -29,6 +36,8 @@ PAGE = mmap.PAGESIZE
 DEFAULT_MAX = 256 * 1024**2     # the default readahead window: what may be in flight and pinned
 MMAP_THRESHOLD = 32 * 1024**2   # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 TRIM_THRESHOLD = 512 * 1024**2
+HUGE = 2 * 1024**2              # buffers this large ask for transparent huge pages (see take)
+HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 log = logging.getLogger(__name__)
 
 
@@ -101,6 +110,8 @@ class BufferPool:
                     return bufs[i]
             self._allocated += 1
             buf = mmap.mmap(-1, want, flags=mmap.MAP_PRIVATE)
+            if want >= HUGE and HUGEPAGE is not None:
+                buf.madvise(HUGEPAGE)
             if self._bytes + want > self.max_bytes:
                 self._trim(want)
             if self._bytes + want <= self.max_bytes:
