@@ -634,8 +634,8 @@ class WriteSession:
     async def _write_behind(self, uploads: trio.Nursery) -> None:
         """Walk the predicted layout behind the writer, storing each complete span."""
         while not self._file.closed:
-            # Taken first: an upload that ends while this pass awaits (a drop, a slot, a
-            # scan) fires it, and the pass runs again instead of sleeping past its span.
+            # Taken first: an upload that ends while this pass awaits (a drop, a slot, a scan) fires
+            # it, and the pass runs again instead of sleeping past its span.
             woken = self._wake.next()
             if (self._paused or not self._streaming or self._stream_error is not None
                     or self._poisoned is not None):
