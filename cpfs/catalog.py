@@ -59,8 +59,8 @@ from typing import TypeVar
 
 import trio
 
-from .errors import ManifestError, NoSuchObject, NotFound, StoreError, StoreUnavailable
-from .manifest import SUMMARY_MAX, Manifest, Summary, path_hash
+from .errors import ChunkUnavailable, ManifestError, NoSuchObject, NotFound, StoreError, StoreUnavailable
+from .manifest import SUMMARY_MAX, ChunkEntry, Manifest, Summary, path_hash
 from .placement import place
 from .pool import StorePool
 from .sync import fan_out
@@ -543,9 +543,25 @@ class Catalog:
             await self._delete(stores, key)     # a leftover never counts without its record: gc deletes it
 
     async def restore(self, path: str, version: int) -> Manifest:
-        """Make an old version current again, as a new commit (so a restore is itself undoable)."""
+        """Make an old version current again, as a new commit (so a restore is itself undoable). Its
+        chunks' copies are renewed first: a gc running meanwhile may have found no version naming
+        them (a removed path whose history it purges), and spares them only if they are young."""
         old = await self.get_version(path, version)
+        await self._renew(old)
         return await self.commit(dataclasses.replace(old, reason=""))
+
+    async def _renew(self, m: Manifest) -> None:
+        """Touch a copy of every chunk of `m` (on the stores it names, else on its placement);
+        ChunkUnavailable if a chunk has none left."""
+        async def one(c: ChunkEntry) -> None:
+            if (await self.pool.renew(c.digest, c.stores))[0]:
+                return
+            others = [n for n in place(c.digest, self.pool.names, self._cfg.replicas) if n not in c.stores]
+            if not others or not (await self.pool.renew(c.digest, others))[0]:
+                raise ChunkUnavailable(f"{m.path} version {m.version}: chunk {c.digest[:16]} has no copy left "
+                                       f"(stores {', '.join([*c.stores, *others])}): it cannot be restored")
+
+        await in_parallel(one, list({c.digest: c for c in m.chunks}.values()), self._cfg.fetch_concurrency)
 
     @staticmethod
     def _tomb(m: Manifest) -> Manifest:

@@ -214,7 +214,7 @@ async def cmd_log(config: Config, args: argparse.Namespace) -> int:
     path = normalize_path(args.path)
     infos = await catalog.history(path)
     if not infos:
-        raise NotFound(f"{path}: no versions (never committed, or retired)")
+        raise NotFound(f"{path}: no versions (never committed, retired, or a removed path whose history gc purged)")
     rows = []
     for i in infos:
         m = i.summary

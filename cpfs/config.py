@@ -6,6 +6,7 @@ because a typo in a store list must never silently mean "one replica fewer".
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import tomllib
@@ -25,7 +26,7 @@ _SIZE_UNITS = {
     "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
     "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
 }
-_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 GC_GRACE_FLOOR = 60.0       # seconds: a shorter gc_grace leaves a commit too little time (cpfs/gc.py)
 _NUM = r"\s*([0-9]+(?:\.[0-9]+)?)\s*"
 
@@ -50,10 +51,20 @@ def parse_duration(value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
     if isinstance(value, str):
-        m = re.fullmatch(_NUM + r"(us|ms|s|m|h)?\s*", value)
+        m = re.fullmatch(_NUM + r"(us|ms|s|m|h|d)?\s*", value)
         if m:
             return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
-    raise ValueError(f"expected a duration such as '5ms', '2s', '10m' or '1h', got {value!r}")
+    raise ValueError(f"expected a duration such as '5ms', '2s', '10m', '1h' or '7d', got {value!r}")
+
+
+def parse_retention(value: Any) -> float:
+    """A duration, or "forever" (math.inf)."""
+    if isinstance(value, str) and value.strip() == "forever":
+        return math.inf
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise ValueError(f"expected a duration such as '7d' or '12h', or \"forever\", got {value!r}") from None
 
 
 def parse_rate(value: Any) -> float:
@@ -134,6 +145,7 @@ class Config:
     keep_versions: int = 3          # committed versions kept per path (older manifests are retired)
     gc_grace: float = 3600.0        # gc deletes only objects older than this; dedup and renewal touch
                                     # copies a commit counts on once half of it old (cpfs/gc.py)
+    keep_removed: float = 7 * 86400.0   # a removed path's history stays this long, then gc purges it
     chunk_size: int = 4 * 1024**2
     compression: str = "lz4"
     cache_memory: int = 1024**3
@@ -172,6 +184,7 @@ _TOP = {
     "write_quorum": ("write_quorum", int),
     "keep_versions": ("keep_versions", int),
     "gc_grace": ("gc_grace", parse_duration),
+    "keep_removed": ("keep_removed", parse_retention),
     "chunk_size": ("chunk_size", parse_size),
     "compression": ("compression", str),
     "log_level": ("log_level", str),

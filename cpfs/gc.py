@@ -5,6 +5,12 @@ deleted versions alike, and format-1 manifests. The chunks they name (by digest,
 a copy) are referenced. Any other chunk is garbage once it is older than the grace: chunks of retired
 versions, of uploads a writer superseded before committing, of commits that failed. So are the
 temporary files of puts that a crash interrupted (folder stores). Keys that are neither are left alone.
+Except a removed path's history once it has expired: a path whose newest version, alone at its order
+and counting, is a removal committed more than keep_removed ago is purged (every version of it
+deleted, before the sweep) and its versions name nothing. A path with anything newer is never purged.
+After the purge gc lists those folders again and reads what was committed there meanwhile. A restore
+of a purged version that read it before the purge touches its chunks' copies before committing
+(Catalog.restore), so a sweep that no longer counts them spares them, as it spares dedup's reuse.
 
 Order, and why. Commits in other mounts run while gc does: a commit checks that the chunks it will name
 are on their stores (dedup, StorePool.store_chunk), then writes its manifest, and gc may look at such a
@@ -67,6 +73,7 @@ Assumptions (the caveats):
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -120,6 +127,7 @@ class GcReport:
     stores: tuple[StoreSweep, ...]
     transactions: int = 0     # transaction records that no version names any more, deleted
     abandoned: int = 0        # versions of transactions that never committed, older than the grace, deleted
+    purged: int = 0           # removed paths whose history (every version) was deleted after keep_removed
 
     @property
     def freed_objects(self) -> int:
@@ -133,7 +141,7 @@ class GcReport:
         return {"dry_run": self.dry_run, "grace": self.grace, "manifests": self.manifests,
                 "referenced_chunks": self.referenced, "refused": self.refused or None,
                 "freed_objects": self.freed_objects, "freed_bytes": self.freed_bytes,
-                "transactions": self.transactions, "abandoned": self.abandoned,
+                "transactions": self.transactions, "abandoned": self.abandoned, "purged": self.purged,
                 "stores": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.stores]}
 
     def lines(self, size: Callable[[float], str] = lambda n: f"{int(n)} B") -> list[str]:
@@ -151,7 +159,8 @@ class GcReport:
                        + (f"; {s.errors} requests failed" if s.errors else ""))
         out.append(f"{'would free' if self.dry_run else 'freed'} {self.freed_objects} objects, "
                    f"{size(self.freed_bytes)}; {self.transactions} transaction records no version names, "
-                   f"{self.abandoned} versions of transactions that never committed")
+                   f"{self.abandoned} versions of transactions that never committed; {self.purged} removed "
+                   f"paths' history purged (removed longer than keep_removed ago)")
         return out
 
 
@@ -183,11 +192,14 @@ class GarbageCollector:
     `forget`: stores retired for good, whose enrollments leave the roster (not in a dry run)."""
 
     def __init__(self, pool: StorePool, *, grace: float, dry_run: bool = False,
-                 forget: Collection[str] = ()) -> None:
+                 forget: Collection[str] = (), keep_removed: float | None = None) -> None:
+        """`keep_removed`: how long a removed path keeps its history (default: the config's; the
+        roster may lengthen it)."""
         self.pool = pool
         self.grace = grace
         self.dry_run = dry_run
         self.forget = frozenset(forget)
+        self.keep_removed = pool.config.keep_removed if keep_removed is None else keep_removed
 
     async def _checked_roster(self) -> str:
         """Why gc must not run with this config ("" if it may), after the roster's grace is taken."""
@@ -209,6 +221,10 @@ class GarbageCollector:
             log.info("gc: grace %gs, the longest gc_grace a writer of these stores enrolled (asked: %gs)",
                      listed.gc_grace, self.grace)
             self.grace = listed.gc_grace
+        if listed.keep_removed > self.keep_removed:
+            log.info("gc: removed paths keep their history %gs, the longest keep_removed a writer of these "
+                     "stores enrolled (asked: %gs)", listed.keep_removed, self.keep_removed)
+            self.keep_removed = listed.keep_removed
         if self.forget and not self.dry_run:
             n = await roster.forget(self.pool, listed, self.forget)
             log.info("gc: store(s) %s left the roster (%d enrollments deleted)", ", ".join(sorted(self.forget)), n)
@@ -236,6 +252,7 @@ class GarbageCollector:
             log.error("gc refused, nothing deleted: %s", shown)
             return GcReport(**report, refused=shown, stores=())
         named_keys = {txn_key(t, void) for t in named for void in (False, True)}
+        report["purged"] = self.purged
         report["transactions"] = await self._delete({k: v for k, v in records.items() if k not in named_keys})
         report["abandoned"] = await self._delete(abandoned)
         tallies = {name: _Tally(name) for name in self.pool.names}
@@ -285,6 +302,8 @@ class GarbageCollector:
         done: set[str] = set()
         where, problems = await self._list([MANIFESTS])
         named = {r.txn for r in map(VersionRef.parse, where) if r is not None and r.txn}
+        purge = {} if problems else await self._purgeable(where, committed, problems)
+        where = {k: v for k, v in where.items() if k not in purge}
         for _ in range(_RELISTS):
             if problems or not where:
                 break
@@ -313,7 +332,59 @@ class GarbageCollector:
             if where and not problems:
                 problems.append("versions kept vanishing while gc read them (commits are retiring them): "
                                 "try again")
+        self.purged = 0 if problems else await self._purge(purge, done, referenced, problems)
         return referenced, len(done), named, abandoned, problems
+
+    async def _purgeable(self, where: dict[str, list[str]], committed: set[str],
+                         problems: list[str]) -> dict[str, list[str]]:
+        """The version keys (-> stores) of every path whose history has expired: its newest version,
+        alone at that order and counting (a transaction's only once committed), is a removal committed
+        more than keep_removed ago. A path with anything newer (a save, a failed save, a re-creation) is
+        never purged."""
+        if math.isinf(self.keep_removed):
+            return {}
+        folders: dict[str, list[VersionRef]] = {}
+        for ref in map(VersionRef.parse, where):
+            if ref is not None:
+                folders.setdefault(ref.path_hash, []).append(ref)
+        tombs = []
+        for refs in folders.values():
+            newest = max(refs, key=lambda r: r.order)
+            if (newest.state == "deleted" and sum(r.order == newest.order for r in refs) == 1
+                    and (not newest.txn or newest.txn in committed)):
+                tombs.append(newest)
+        before = (time.time() - self.keep_removed) * 1e9
+        expired: list[VersionRef] = []
+
+        async def check(ref: VersionRef) -> None:
+            m = await self._read(ref.key, where[ref.key], problems)
+            if m is not None and m.state == "deleted" and m.committed_ns < before:
+                expired.append(ref)
+
+        await in_parallel(check, tombs, _READS)
+        return {r.key: where[r.key] for t in expired for r in folders[t.path_hash]}
+
+    async def _purge(self, purge: dict[str, list[str]], done: set[str], referenced: set[str],
+                     problems: list[str]) -> int:
+        """Delete the expired histories (not in a dry run), then list their folders again: a version
+        committed there meanwhile (a new save, a restore) is read, and its chunks referenced. Returns
+        how many paths were purged."""
+        folders = sorted({_FOLDER.fullmatch(k)[1] + "/" for k in purge})     # type: ignore[index]
+        if not folders or self.dry_run:
+            return len(folders)
+        await self._delete(purge)
+        log.info("gc: purged the history of %d paths removed more than %gs ago", len(folders), self.keep_removed)
+        where, more = await self._list(folders)
+        problems += more
+
+        async def read(key: str) -> None:
+            m = await self._read(key, where[key], problems)
+            done.add(key)
+            if m is not None:
+                referenced.update(c.digest for c in m.chunks)
+
+        await in_parallel(read, sorted(k for k in where if k not in purge and k not in done), _READS)
+        return len(folders)
 
     async def _read(self, key: str, names: Sequence[str], problems: list[str]) -> Manifest | None:
         """The version under `key` from the first store with a copy that parses; None if every store

@@ -8,9 +8,10 @@ shorter than a mount's, it deletes copies that mount reuses without touching (cp
 
 So every writer (a mount, `cpfs put`, `rm`, `restore`, `scrub --repair`) enrolls its config on its
 stores before it writes: one object per distinct config, `roster/<hash>.json`, holding the config's
-store names and gc_grace. Writers with different configs write different keys, so none overwrites
+store names, gc_grace and keep_removed. Writers with different configs write different keys, so none overwrites
 another's (no read-modify-write to race). gc reads every enrollment on every store it has and refuses
-while one names a store its own config lacks; it takes the longest gc_grace one names as its grace.
+while one names a store its own config lacks; it takes the longest gc_grace one names as its grace,
+and the longest keep_removed as how long removed paths keep their history.
 A store retired for good (`cpfs scrub --repair` moved its copies to the current placement) leaves the
 roster by `cpfs gc --forget-store NAME`, which deletes the enrollments naming it and enrolls gc's own
 config; a mount that still lists it enrolls it again at its next start.
@@ -41,18 +42,20 @@ FORMAT = 1
 
 @dataclass(frozen=True)
 class Enrollment:
-    """One config's store names (sorted) and gc_grace (seconds)."""
+    """One config's store names (sorted), gc_grace and keep_removed (seconds; inf: forever)."""
 
     stores: tuple[str, ...]
     gc_grace: float
+    keep_removed: float = math.inf
 
     @classmethod
     def of(cls, pool: StorePool) -> Enrollment:
-        return cls(tuple(sorted(pool.names)), pool.config.gc_grace)
+        return cls(tuple(sorted(pool.names)), pool.config.gc_grace, pool.config.keep_removed)
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, "stores": list(self.stores), "gc_grace": self.gc_grace},
-                          sort_keys=True).encode()
+        keep = None if math.isinf(self.keep_removed) else self.keep_removed
+        return json.dumps({"format": FORMAT, "stores": list(self.stores), "gc_grace": self.gc_grace,
+                           "keep_removed": keep}, sort_keys=True).encode()
 
     @property
     def key(self) -> str:
@@ -63,15 +66,16 @@ class Enrollment:
         """ManifestError (bad stored metadata) if the object is not an enrollment of this format."""
         try:
             doc = json.loads(data)
-            stores, grace = doc["stores"], doc["gc_grace"]
+            stores, grace, keep = doc["stores"], doc["gc_grace"], doc.get("keep_removed")
             ok = (doc.get("format") == FORMAT and isinstance(stores, list) and stores
                   and all(isinstance(s, str) and s for s in stores)
-                  and isinstance(grace, (int, float)) and math.isfinite(grace) and grace > 0)
+                  and isinstance(grace, (int, float)) and math.isfinite(grace) and grace > 0
+                  and (keep is None or isinstance(keep, (int, float)) and math.isfinite(keep) and keep >= 0))
         except (ValueError, TypeError, KeyError):
             ok = False
         if not ok:
             raise ManifestError(f"roster object {key}: not a store enrollment of format {FORMAT}")
-        return cls(tuple(sorted(stores)), float(grace))
+        return cls(tuple(sorted(stores)), float(grace), math.inf if keep is None else float(keep))
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,11 @@ class Roster:
     def gc_grace(self) -> float:
         """The longest gc_grace of any writer: 0 if there is no enrollment."""
         return max((e.gc_grace for e in self.enrollments.values()), default=0.0)
+
+    @property
+    def keep_removed(self) -> float:
+        """The longest keep_removed of any writer: 0 if there is no enrollment."""
+        return max((e.keep_removed for e in self.enrollments.values()), default=0.0)
 
     def naming(self, store: str) -> list[str]:
         """The keys of the enrollments that name `store`."""

@@ -7,9 +7,11 @@ primitives (stat, list_info, touch, delete_if_older) is in the store contract su
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -841,3 +843,113 @@ def test_writers_enroll_and_cpfs_gc_with_an_old_config_refuses(tmp_path: Path, m
         assert r.returncode == 1 and b"s3" in r.stdout + r.stderr and b"refused" in r.stdout + r.stderr
     assert _chunk_files(tmp_path) == chunks
     assert cpfs("gc", config=full).returncode == 0
+
+
+# ---- removed paths: their history expires after keep_removed ---------------------------------------------
+
+def test_keep_removed_is_a_duration_or_forever(tmp_path: Path) -> None:
+    """keep_removed: default 7 days; durations take d too; "forever" keeps every removed path's
+    history; anything else is a config error naming the key."""
+    def parse(extra: str):
+        return parse_config(f'replicas = 1\n{extra}\n[[store]]\nname = "s"\nurl = "s"\n', "t.toml", tmp_path)
+    assert parse("").keep_removed == 7 * 86400
+    assert parse('keep_removed = "36h"').keep_removed == 36 * 3600
+    assert parse('keep_removed = "forever"').keep_removed == float("inf")
+    with pytest.raises(ConfigError) as e:
+        parse('keep_removed = "later"')
+    assert str(e.value).startswith("t.toml: keep_removed: ") and "forever" in str(e.value)
+
+
+async def test_gc_purges_a_removed_paths_history_once_keep_removed_has_passed(tmp_path: Path) -> None:
+    """A training run's checkpoint rotation removes old checkpoints; their history (two versions and
+    the removal) stays for `cpfs restore` while younger than keep_removed, then gc purges it and frees
+    the chunks no other version names. Never purged: a live path, a path saved again after its
+    removal, a path whose newest version is a failed save after its removal."""
+    cfg = _config(tmp_path, keep=3)
+    w = Writer(tmp_path, cfg, "a1")
+    old = [await w.put("/run/step_100.pt", os.urandom(SIZE)) for _ in range(2)]
+    await w.catalog.remove("/run/step_100.pt")
+    again = os.urandom(SIZE)
+    await w.put("/run/step_200.pt", os.urandom(SIZE))
+    await w.catalog.remove("/run/step_200.pt")
+    await w.put("/run/step_200.pt", again)                   # saved again after its removal
+    tried = await w.put("/run/step_300.pt", os.urandom(SIZE))
+    await w.catalog.remove("/run/step_300.pt")
+    await w.catalog.commit_failed(dataclasses.replace(tried, path="/run/step_300.pt"), "a save cut short")
+    live = os.urandom(SIZE)
+    await w.put("/run/latest.pt", live)
+    _age_chunks(tmp_path)
+
+    young = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=3600).run()
+    assert young.purged == 0 and sum(s.deleted for s in young.stores) == 0
+    assert await w.read("/run/step_100.pt", old[0].version) == await Writer(tmp_path, cfg, "b2").read(
+        "/run/step_100.pt", old[0].version)     # still restorable
+
+    report = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()
+    assert report.refused == "" and report.purged == 1
+    assert not list(_stores_root(tmp_path).glob(f"s*/manifests/{path_hash('/run/step_100.pt')}/*"))
+    assert sum(s.deleted for s in report.stores) == 2 * len(_digests(old))
+    assert await Writer(tmp_path, cfg, "c3").read("/run/step_200.pt") == again
+    assert await Writer(tmp_path, cfg, "c3").read("/run/latest.pt") == live
+    assert len(await w.catalog.history("/run/step_300.pt")) == 3
+    assert await w.catalog.history("/run/step_100.pt") == []
+    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()).purged == 0
+
+
+async def test_a_restore_racing_the_purge_of_its_path_keeps_its_chunks(tmp_path: Path) -> None:
+    """`cpfs restore` of a removed path read its old version and touched its chunks' copies; before
+    its commit lands, a gc purges the path's history, and no version names those chunks. The copies
+    are young, so the gc spares them, and the restored version reads back whole."""
+    cfg = _config(tmp_path)
+    w = Writer(tmp_path, cfg, "a1")
+    content = os.urandom(SIZE)
+    v1 = await w.put("/ckpt.pt", content)
+    await w.catalog.remove("/ckpt.pt")
+    _age_chunks(tmp_path)
+    wrap, reached, release = _pausing("put", f"manifests/{path_hash('/ckpt.pt')}/")
+    r = Writer(tmp_path, cfg, "b2", wrap)
+    async with trio.open_nursery() as n:
+        done = await _start_until_paused(n, lambda: r.catalog.restore("/ckpt.pt", v1.version), reached)
+        report = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()
+        release.set()
+    assert report.purged == 1 and sum(s.deleted for s in report.stores) == 0
+    assert await Writer(tmp_path, cfg, "c3").read("/ckpt.pt", done[0].version) == content
+
+
+async def test_gc_keeps_removed_paths_as_long_as_the_longest_keep_removed_enrolled(tmp_path: Path) -> None:
+    """A mount whose config keeps removed paths forever enrolls it: a gc whose own config says 0 purges
+    nothing; once that enrollment is gone it does."""
+    cfg = _config(tmp_path)
+    w = Writer(tmp_path, cfg, "a1")
+    await w.put("/a.pt", os.urandom(SIZE))
+    await w.catalog.remove("/a.pt")
+    forever = _config(tmp_path, name="forever.toml")
+    forever.write_text('keep_removed = "forever"\n' + forever.read_text())
+    await roster.enroll(_pool(forever))
+    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()).purged == 0
+    for p in _stores_root(tmp_path).glob("s*/roster/*.json"):
+        p.unlink()
+    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()).purged == 1
+
+
+def test_a_rotation_through_the_mount_frees_its_space_once_keep_removed_has_passed(tmp_path: Path, mount) -> None:
+    """A trainer's checkpoint rotation: `shutil.rmtree` of an old checkpoint folder through a real
+    mount. `cpfs gc` with keep_removed = "0s" purges the removed paths and frees their chunks; the
+    kept checkpoint still reads back whole on a fresh mount."""
+    cfg = _config(tmp_path)
+    cfg.write_text('keep_removed = "0s"\n' + cfg.read_text() + f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    m = mount(cfg)
+    old, kept = os.urandom(300_000), os.urandom(300_000)
+    (m.path / "checkpoint-100").mkdir()
+    (m.path / "checkpoint-100" / "model.safetensors").write_bytes(old)
+    (m.path / "checkpoint-200").mkdir()
+    (m.path / "checkpoint-200" / "model.safetensors").write_bytes(kept)
+    shutil.rmtree(m.path / "checkpoint-100")
+    m.stop()
+    _age_chunks(tmp_path)
+    r = cpfs("gc", "--json", config=cfg)
+    report = json.loads(r.stdout)
+    assert report["purged"] == 2 and report["freed_bytes"] >= 2 * len(old)       # the file and its folder
+    again = mount(cfg, "again")
+    assert not (again.path / "checkpoint-100").exists()
+    assert (again.path / "checkpoint-200" / "model.safetensors").read_bytes() == kept
