@@ -200,6 +200,7 @@ class GarbageCollector:
         self.dry_run = dry_run
         self.forget = frozenset(forget)
         self.keep_removed = pool.config.keep_removed if keep_removed is None else keep_removed
+        self.purged = 0                                 # removed paths purged by this run
 
     async def _checked_roster(self) -> str:
         """Why gc must not run with this config ("" if it may), after the roster's grace is taken."""
@@ -285,11 +286,7 @@ class GarbageCollector:
         if self.dry_run:
             return len(keys)
         for key, names in keys.items():
-            for name in names:
-                try:
-                    await self.pool.delete(name, key)
-                except StoreError as e:
-                    log.warning("gc: could not delete %s on store %r: %s", key, name, e)
+            await self._deleted(key, names)
         return len(keys)
 
     async def _references(self, committed: set[str], cutoff: float
@@ -368,13 +365,26 @@ class GarbageCollector:
                      problems: list[str]) -> int:
         """Delete the expired histories (not in a dry run), then list their folders again: a version
         committed there meanwhile (a new save, a restore) is read, and its chunks referenced. Returns
-        how many paths were purged."""
-        folders = sorted({_FOLDER.fullmatch(k)[1] + "/" for k in purge})     # type: ignore[index]
-        if not folders or self.dry_run:
-            return len(folders)
-        await self._delete(purge)
-        log.info("gc: purged the history of %d paths removed more than %gs ago", len(folders), self.keep_removed)
-        where, more = await self._list(folders)
+        how many paths were purged.
+        Each path's versions go oldest first and its removal last, only once every other is gone: a
+        purge cut short (a store refusing, a killed gc) leaves the path removed, never an older version
+        of it current again."""
+        histories: dict[str, list[str]] = {}
+        for key in purge:
+            histories.setdefault(_FOLDER.fullmatch(key)[1] + "/", []).append(key)   # type: ignore[index]
+        if not histories or self.dry_run:
+            return len(histories)
+
+        async def one(keys: list[str]) -> None:
+            *older, removal = sorted(keys, key=lambda k: VersionRef.parse(k).order)   # type: ignore[union-attr]
+            kept = [k for k in older if not await self._deleted(k, purge[k])]
+            if not kept:
+                await self._deleted(removal, purge[removal])
+
+        await in_parallel(one, list(histories.values()), _READS)
+        log.info("gc: purged the history of %d paths removed more than %gs ago", len(histories),
+                 self.keep_removed)
+        where, more = await self._list(sorted(histories))
         problems += more
 
         async def read(key: str) -> None:
@@ -384,7 +394,18 @@ class GarbageCollector:
                 referenced.update(c.digest for c in m.chunks)
 
         await in_parallel(read, sorted(k for k in where if k not in purge and k not in done), _READS)
-        return len(folders)
+        return len(histories)
+
+    async def _deleted(self, key: str, names: list[str]) -> bool:
+        """Delete `key` on every store that listed it; whether every deletion succeeded (failures logged)."""
+        ok = True
+        for name in names:
+            try:
+                await self.pool.delete(name, key)
+            except StoreError as e:
+                log.warning("gc: could not delete %s on store %r: %s", key, name, e)
+                ok = False
+        return ok
 
     async def _read(self, key: str, names: Sequence[str], problems: list[str]) -> Manifest | None:
         """The version under `key` from the first store with a copy that parses; None if every store

@@ -27,7 +27,7 @@ from cpfs import chunk as chunkfmt
 from cpfs import roster
 from cpfs.catalog import Catalog
 from cpfs.config import load_config, parse_config
-from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk, CpfsError
+from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk, CpfsError, NotFound
 from cpfs.gc import GarbageCollector, GcReport
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest, path_hash
@@ -953,3 +953,29 @@ def test_a_rotation_through_the_mount_frees_its_space_once_keep_removed_has_pass
     again = mount(cfg, "again")
     assert not (again.path / "checkpoint-100").exists()
     assert (again.path / "checkpoint-200" / "model.safetensors").read_bytes() == kept
+
+
+async def test_a_purge_cut_short_leaves_the_path_removed(tmp_path: Path) -> None:
+    """One store refuses to delete the oldest version of an expired history: the purge deletes what it
+    can but keeps the removal, so the path stays removed (no older version comes back as current);
+    the next gc, with the store willing, finishes the purge."""
+    cfg = _config(tmp_path, keep=3)
+    w = Writer(tmp_path, cfg, "a1")
+    first = await w.put("/old.pt", os.urandom(SIZE))
+    await w.put("/old.pt", os.urandom(SIZE))
+    await w.catalog.remove("/old.pt")
+    h = path_hash("/old.pt")
+    oldest = f"manifests/{h}/{first.version:020d}.*"
+
+    def refusing(store: Store) -> Store:
+        faulty = FaultyStore(store)
+        faulty.refuse("delete", oldest)
+        return faulty
+
+    report = await GarbageCollector(_pool(cfg, refusing), grace=GRACE, keep_removed=0).run()
+    assert report.purged == 1
+    with pytest.raises(NotFound):
+        await Writer(tmp_path, cfg, "b2").catalog.get("/old.pt")
+    assert [i.ref.state for i in await Writer(tmp_path, cfg, "c3").catalog.history("/old.pt")] == ["deleted", "ok"]
+    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()).purged == 1
+    assert not list(_stores_root(tmp_path).glob(f"s*/manifests/{h}/*"))
