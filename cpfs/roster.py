@@ -1,4 +1,4 @@
-"""The stores' roster: which stores, and which gc_grace, the writers of these stores use.
+"""The stores' roster: which stores, gc_grace and keep_removed the writers of these stores use.
 
 Why. `cpfs gc` takes a chunk for garbage when no manifest it can read names it, and it reads the
 manifests on the stores of its own config. Run with a config that lacks some of the mounts' stores, it
@@ -8,8 +8,8 @@ shorter than a mount's, it deletes copies that mount reuses without touching (cp
 
 So every writer (a mount, `cpfs put`, `rm`, `restore`, `scrub --repair`) enrolls its config on its
 stores before it writes: one object per distinct config, `roster/<hash>.json`, holding the config's
-store names, gc_grace and keep_removed. Writers with different configs write different keys, so none overwrites
-another's (no read-modify-write to race). gc reads every enrollment on every store it has and refuses
+store names, gc_grace and keep_removed. Writers with different configs write different keys, so none
+overwrites another's (no read-modify-write to race). gc reads every enrollment on every store it has and refuses
 while one names a store its own config lacks; it takes the longest gc_grace one names as its grace,
 and the longest keep_removed as how long removed paths keep their history.
 A store retired for good (`cpfs scrub --repair` moved its copies to the current placement) leaves the
