@@ -31,6 +31,7 @@ from .config import Config, staging_dir
 from .errors import ConfigError, CpfsError
 from . import metrics, roster
 from .fs import CpfsOperations, mount_options
+from .holds import Holds
 from .learned import Learner
 from .namespace import Namespace
 from .pagecache import Pusher
@@ -115,7 +116,8 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     staging = await trio.to_thread.run_sync(prepare_staging, config)
     learner = Learner.for_config(sched, config, pool) if config.learn_prefetch else None
     sched.watcher = learner
-    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging, pusher, learner)
+    holds = Holds(pool)                    # the versions open here, kept from gc (cpfs/holds.py)
+    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging, pusher, learner, holds)
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"} | mount_options(config)
     try:
         pyfuse3.init(ops, str(mountpoint), options)
@@ -144,6 +146,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             await metrics.start(n, config, ops.statistics_document)   # [metrics] listen (off by default): Prometheus
             await n.start(pool.run)          # store health: probes stores marked down until they answer
             await n.start(catalog.keep_voiding)   # failed commits no store let us void yet (cpfs/catalog.py)
+            await n.start(holds.run)         # writes, renews and deletes the holds of what is open here
             if pusher is not None:
                 await n.start(pusher.run)
             n.start_soon(announce)
@@ -153,6 +156,8 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             if learner is not None:
                 await n.start(learner.run)
             await pyfuse3.main(min_tasks=4, max_tasks=config.max_tasks)
+            with trio.move_on_after(SHARE_AT_UNMOUNT):
+                await holds.aclose()        # nothing is open any more (else the holds lapse after gc_grace)
             if learner is not None:
                 with trio.move_on_after(SHARE_AT_UNMOUNT):
                     await learner.share()   # what the opens closed at unmount read, for other hosts
@@ -165,9 +170,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
         # The stores' figures too: a load that was slow with nothing odd in the scheduler's (a stall in
         # one run of a benchmark) shows here which store answered late, and whether reads were hedged.
         log.info("unmounted %s; cache %s; scheduler %s; read buffers %s; encode buffers %s; page cache pushes %s; "
-                 "stores %s; replicas %s", mountpoint, cache.statistics(), sched.statistics(),
+                 "stores %s; replicas %s; holds %s", mountpoint, cache.statistics(), sched.statistics(),
                  buffers.POOL.statistics(), ENCODE_POOL.statistics(), pusher.statistics() if pusher else None,
-                 pool.statistics(), pool.replica_statistics())
+                 pool.statistics(), pool.replica_statistics(), holds.statistics())
 
 
 # Staging. The staging folder may be shared (/scratch, a folder beside other tools' data): cpfs works in

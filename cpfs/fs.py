@@ -41,7 +41,7 @@ import posixpath
 import secrets
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,6 +56,7 @@ from .config import Config
 from .errors import CpfsError, Exists, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
 from .manifest import (XATTR_NAME_MAX, XATTR_NAMESPACE, XATTR_SIZE_MAX, Manifest, Summary, check_xattrs,
                        parent_dirs)
+from .holds import Holds
 from .learned import Learner
 from .namespace import Namespace, Node
 from .pagecache import Pusher
@@ -141,6 +142,7 @@ class Handle:
     writable: bool = False
     data: bytes | None = None            # the control file's content, made at open
     direct: bool = False                 # opened O_DIRECT: the kernel caches no read of it
+    hold: Hashable | None = None         # the hold on the reader's version (cpfs/holds.py)
 
 
 @dataclass
@@ -154,13 +156,18 @@ class Writing:
     # Held by a commit of the session (from before its upload to after its transaction) and by a
     # rename, unlink or link of the file: each lands under the names the other left (`_names_changing`).
     naming: trio.Lock = field(default_factory=trio.Lock)
+    # The hold on the version its next commit builds on, whose chunks that commit names unchecked
+    # (cpfs/holds.py), and that version.
+    hold: Hashable | None = None
+    held: Manifest | None = None
 
 
 class CpfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
 
     def __init__(self, namespace: Namespace, scheduler: Scheduler, catalog: Catalog, config: Config,
-                 staging: Path, pusher: Pusher | None = None, learner: Learner | None = None) -> None:
+                 staging: Path, pusher: Pusher | None = None, learner: Learner | None = None,
+                 holds: Holds | None = None) -> None:
         super().__init__()
         self.ns = namespace
         self.sched = scheduler
@@ -185,6 +192,7 @@ class CpfsOperations(pyfuse3.Operations):
         self._capacity: tuple[float, Capacity | None] | None = None   # (when asked, answer) for statfs
         self.plans = plan.Board(scheduler)      # declared prefetch, per file (cpfs/plan.py)
         self.learner = learner                  # learned prefetch, per open (cpfs/learned.py)
+        self.holds = holds                      # the versions open here, kept from gc (cpfs/holds.py)
         now = time.time_ns()
         root = self.ns.node(pyfuse3.ROOT_INODE)   # attributes of this mount's own (see the module doc)
         root.summary = Summary(path="/", size=0, mtime_ns=now, mode=0o755, version=0, directory=True,
@@ -449,7 +457,8 @@ class CpfsOperations(pyfuse3.Operations):
         return stats.collect(pool=self.catalog.pool, catalog=self.catalog, scheduler=self.sched, mount=mount,
                              plans=self.plans.statistics() + (self.learner.plans() if self.learner else []),
                              learned=self.learner.statistics() if self.learner else None,
-                             pushes=self.pusher.statistics() if self.pusher else None)
+                             pushes=self.pusher.statistics() if self.pusher else None,
+                             holds=self.holds.statistics() if self.holds else None)
 
     @boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -517,7 +526,11 @@ class CpfsOperations(pyfuse3.Operations):
         if w is None:
             assert self.nursery is not None
             base = None if node.summary is None or node.summary.size == 0 else await self._manifest(node)
+            # Its unchanged chunks are committed by reference, unchecked: held while the session runs.
+            hold = (self.holds.take(base, at_once=True) if self.holds is not None and base and not truncate
+                    else None)
             if node.ino in self.writing or node.ino in self._settling:     # another open or a chmod meanwhile
+                self._let_go(hold)
                 return await self._session(node, truncate, mode, explicit)
             replaces_checkpoint = bool(truncate and not explicit and base and base.tensor_index)
             base = None if truncate else base
@@ -529,7 +542,7 @@ class CpfsOperations(pyfuse3.Operations):
             if node.summary is not None:     # the next commit keeps owner, atime and xattrs
                 m = node.summary
                 session.attributes.update(uid=m.uid, gid=m.gid, atime_ns=m.atime_ns, xattrs=m.xattrs, link=m.link)
-            w = self.writing[node.ino] = Writing(session, users=1)
+            w = self.writing[node.ino] = Writing(session, users=1, hold=hold, held=base if hold else None)
             return w
         w.users += 1
         if truncate:
@@ -538,7 +551,18 @@ class CpfsOperations(pyfuse3.Operations):
             except BaseException:
                 await self._leave(node, w)
                 raise
+        else:
+            self._hold_latest(w)      # a close's commit may have left it unheld: the session goes on
         return w
+
+    def _hold_latest(self, w: Writing) -> None:
+        """Hold the version the session's next commit builds on, in place of the one held before."""
+        m = w.session.committed
+        if self.holds is None or m is None or m is w.held:
+            return
+        token = self.holds.take(m, at_once=True)
+        self._let_go(w.hold)
+        w.hold, w.held = token, m
 
     async def _leave(self, node: Node, w: Writing) -> None:
         """Give back a use of the node's session; the last one commits (normally a no-op: close()
@@ -562,6 +586,7 @@ class CpfsOperations(pyfuse3.Operations):
                     self.ns.remove(node)   # never committed: it never existed for anyone else
                 elif w.failed and not w.unlinked:
                     self._invalidate(node.ino)    # the kernel's pages hold bytes that did not commit
+                self._let_go(w.hold)
                 await w.session.aclose()
 
     async def _settled(self, *inos: int | None) -> bool:
@@ -628,8 +653,19 @@ class CpfsOperations(pyfuse3.Operations):
         if node.ino in self.writing or node.summary is None:
             return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, direct=direct)), keep_cache=True)
         assert self.nursery is not None
-        reader = await self.sched.open(self.nursery, await self._manifest(node), node.index, inode, direct)
-        return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, reader, direct=direct)), keep_cache=True)
+        m = await self._manifest(node)
+        hold = self.holds.take(m) if self.holds is not None else None
+        try:
+            reader = await self.sched.open(self.nursery, m, node.index, inode, direct)
+        except BaseException:
+            self._let_go(hold)
+            raise
+        fh = self._new_handle(Handle(node, reader, direct=direct, hold=hold))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    def _let_go(self, hold: Hashable | None) -> None:
+        if hold is not None and self.holds is not None:
+            self.holds.drop(hold)
 
     @boundary
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -654,6 +690,9 @@ class CpfsOperations(pyfuse3.Operations):
                 return b""
             m = await self._manifest(h.node)
             assert self.nursery is not None
+            hold = self.holds.take(m) if self.holds is not None else None
+            self._let_go(h.hold)
+            h.hold = hold
             h.reader = await self.sched.open(self.nursery, m, h.node.index, h.node.ino, h.direct)
         return await h.reader.read(off, size)
 
@@ -701,6 +740,8 @@ class CpfsOperations(pyfuse3.Operations):
             # renamed while the kernel's release of it was on its way).
             if manifest is not None and w.session.statistics().commits > commits:
                 node.set_version(manifest)
+                if not closing or w.users > 1:
+                    self._hold_latest(w)     # the session goes on from this version
 
     @boundary
     async def flush(self, fh: int) -> None:
@@ -721,6 +762,7 @@ class CpfsOperations(pyfuse3.Operations):
         h = self.handles.pop(fh, None)
         if h is None:
             return
+        self._let_go(h.hold)
         if h.reader is not None:
             await h.reader.aclose()
         if h.writable:

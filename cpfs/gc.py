@@ -11,12 +11,16 @@ deleted, before the sweep) and its versions name nothing. A path with anything n
 After the purge gc lists those folders again and reads what was committed there meanwhile. A restore
 of a purged version that read it before the purge touches its chunks' copies before committing
 (Catalog.restore), so a sweep that no longer counts them spares them, as it spares dedup's reuse.
+The versions that mounts have open are referenced too, retired or not: each mount's holds name them
+(cpfs/holds.py). gc lists the holds SETTLE (10 s) after it has read the manifests, so that a hold on
+its way to the stores is there, and counts those within their lease.
 
 Order, and why. Commits in other mounts run while gc does: a commit checks that the chunks it will name
 are on their stores (dedup, StorePool.store_chunk), then writes its manifest, and gc may look at such a
 chunk in between, when nothing names it yet. So gc
   1. notes the time t0 and sets cutoff = t0 - grace (wall clock: ages are store mtimes);
-  2. lists every manifest key on every store and reads each once: the referenced digests R;
+  2. lists every manifest key on every store and reads each once: the referenced digests R; waits
+     SETTLE, then adds the digests of the mounts' live holds (cpfs/holds.py) to R;
   3. only then lists the chunks with their mtimes, and deletes each one that is not in R and older than
      the cutoff with `delete_if_older(cutoff)`, which judges the age again at the moment of deletion;
      then the temporary files older than the cutoff.
@@ -66,9 +70,11 @@ Assumptions (the caveats):
    lacks. And a listing shows every key written before it began (folders; S3 and current RGW/MinIO are
    strongly consistent).
 5. A file written through a mount without O_TRUNC commits its unchanged base chunks by reference,
-   unchecked, and a session's later commits the chunks its earlier ones named: they are safe while
-   that version is kept, so ≥ keep_versions commits of the same path from other mounts during that
-   session, and then a gc, could take them.
+   unchecked, and a session's later commits the chunks its earlier ones named: the mount holds the
+   version the session's next commit builds on for as long as the session runs (cpfs/holds.py), so
+   those are referenced even once ≥ keep_versions commits of the same path from other mounts have
+   retired it. What is left is a hold's own window (its module doc) and a mount stopped for longer
+   than its lease.
 """
 from __future__ import annotations
 
@@ -82,7 +88,7 @@ from typing import Any
 
 import trio
 
-from . import roster
+from . import holds, roster
 from .catalog import TXN_PREFIX, VersionRef, txn_key, txns_listed
 from .errors import ManifestError, NoSuchObject, StoreError
 from .manifest import Manifest
@@ -128,6 +134,8 @@ class GcReport:
     transactions: int = 0     # transaction records that no version names any more, deleted
     abandoned: int = 0        # versions of transactions that never committed, older than the grace, deleted
     purged: int = 0           # removed paths whose history (every version) was deleted after keep_removed
+    holds: int = 0            # live holds read (cpfs/holds.py: versions mounts have open)
+    held: int = 0             # chunks no kept version names that live holds kept
 
     @property
     def freed_objects(self) -> int:
@@ -142,6 +150,7 @@ class GcReport:
                 "referenced_chunks": self.referenced, "refused": self.refused or None,
                 "freed_objects": self.freed_objects, "freed_bytes": self.freed_bytes,
                 "transactions": self.transactions, "abandoned": self.abandoned, "purged": self.purged,
+                "holds": self.holds, "held_chunks": self.held,
                 "stores": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.stores]}
 
     def lines(self, size: Callable[[float], str] = lambda n: f"{int(n)} B") -> list[str]:
@@ -160,7 +169,8 @@ class GcReport:
         out.append(f"{'would free' if self.dry_run else 'freed'} {self.freed_objects} objects, "
                    f"{size(self.freed_bytes)}; {self.transactions} transaction records no version names, "
                    f"{self.abandoned} versions of transactions that never committed; {self.purged} removed "
-                   f"paths' history purged (removed longer than keep_removed ago)")
+                   f"paths' history purged (removed longer than keep_removed ago); {self.held} chunks kept "
+                   f"for versions that mounts have open ({self.holds} holds)")
         return out
 
 
@@ -192,10 +202,13 @@ class GarbageCollector:
     `forget`: stores retired for good, whose enrollments leave the roster (not in a dry run)."""
 
     def __init__(self, pool: StorePool, *, grace: float, dry_run: bool = False,
-                 forget: Collection[str] = (), keep_removed: float | None = None) -> None:
+                 forget: Collection[str] = (), keep_removed: float | None = None,
+                 settle: float = holds.SETTLE) -> None:
         """`keep_removed`: how long a removed path keeps its history (default: the config's; the
-        roster may lengthen it)."""
+        roster may lengthen it). `settle`: the wait between reading the manifests and listing the
+        holds (cpfs/holds.py: tests with no mount pass 0)."""
         self.pool = pool
+        self.settle = settle
         self.grace = grace
         self.dry_run = dry_run
         self.forget = frozenset(forget)
@@ -247,6 +260,13 @@ class GarbageCollector:
         committed = listed - void
         referenced, read, named, abandoned, more = await self._references(committed, cutoff)
         problems += more
+        held, more = holds.Held(frozenset(), 0, ()), []
+        if not problems:          # SETTLE after the manifests were read: see cpfs/holds.py
+            await trio.sleep(self.settle)
+            held, more = await holds.read_holds(self.pool, time.time())
+        problems += more
+        kept = held.chunks - referenced
+        referenced |= kept
         report = dict(grace=self.grace, dry_run=self.dry_run, manifests=read, referenced=len(referenced))
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -254,6 +274,8 @@ class GarbageCollector:
             return GcReport(**report, refused=shown, stores=())
         named_keys = {txn_key(t, void) for t in named for void in (False, True)}
         report["purged"] = self.purged
+        report["holds"], report["held"] = held.live, len(kept)
+        await self._lapsed(held.lapsed)
         report["transactions"] = await self._delete({k: v for k, v in records.items() if k not in named_keys})
         report["abandoned"] = await self._delete(abandoned)
         tallies = {name: _Tally(name) for name in self.pool.names}
@@ -395,6 +417,17 @@ class GarbageCollector:
 
         await in_parallel(read, sorted(k for k in where if k not in purge and k not in done), _READS)
         return len(histories)
+
+    async def _lapsed(self, lapsed: Sequence[tuple[str, str, float]]) -> None:
+        """Delete hold copies past their lease (their mounts died), unless renewed since."""
+        if self.dry_run:
+            return
+        for name, key, lease in lapsed:
+            try:
+                if await self.pool.delete_if_older(name, key, time.time() - lease):
+                    log.info("gc: deleted hold %s on store %r: past its lease (its mount is gone)", key, name)
+            except StoreError as e:
+                log.warning("gc: could not delete the lapsed hold %s on store %r: %s", key, name, e)
 
     async def _deleted(self, key: str, names: list[str]) -> bool:
         """Delete `key` on every store that listed it; whether every deletion succeeded (failures logged)."""

@@ -183,6 +183,18 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("catalog", "failed_commits"): ("cpfs_catalog_failed_commits_total", "counter",
                                     "Commits that did not reach the write quorum."),
     ("catalog", "retired"): ("cpfs_catalog_retired_total", "counter", "Old versions deleted."),
+    # cpfs.holds
+    ("holds", "versions"): ("cpfs_holds_versions", "gauge", "Versions open here and kept from gc."),
+    ("holds", "chunks"): ("cpfs_holds_chunks", "gauge", "Distinct chunks the held versions name."),
+    ("holds", "objects"): ("cpfs_holds_objects", "gauge", "Holds on the stores (or being written or deleted)."),
+    ("holds", "writes"): ("cpfs_holds_written_total", "counter", "Holds written to the stores."),
+    ("holds", "skipped"): ("cpfs_holds_skipped_total", "counter", "Versions closed too soon to need a hold."),
+    ("holds", "failed"): ("cpfs_holds_failed_total", "counter",
+                          "Holds no store took: alert on it (gc may take those versions' chunks)."),
+    ("holds", "late"): ("cpfs_holds_late_total", "counter",
+                        "Holds a store took only after gc's settle: alert on it."),
+    ("holds", "renewed"): ("cpfs_holds_renewed_total", "counter", "Holds touched again (per store)."),
+    ("holds", "deleted"): ("cpfs_holds_deleted_total", "counter", "Holds deleted once let go of (per store)."),
     # the mount (cpfs.fs)
     ("mount", "files"): ("cpfs_files", "gauge", "Files in the mount's namespace."),
     ("mount", "retired"): ("cpfs_files_unlinked_open", "gauge", "Files removed while still open."),

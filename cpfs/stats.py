@@ -29,10 +29,10 @@ def _plain(value: Any) -> Any:
 
 
 def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], plans: Sequence[Any] = (),
-            learned: Any = None, pushes: Any = None) -> bytes:
+            learned: Any = None, pushes: Any = None, holds: Any = None) -> bytes:
     """The JSON document: stores (requests, bytes, errors, latency), their health, replica reads
     (hedges, repairs), the chunk cache, the readahead scheduler, the page-cache pushes, declared and
-    learned prefetches, the catalog, and the mount's own."""
+    learned prefetches, the versions held open against gc, the catalog, and the mount's own."""
     doc = {
         "time": time.time(),
         "stores": _plain(pool.statistics()),
@@ -43,6 +43,7 @@ def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], p
         "pushes": _plain(pushes),
         "plans": _plain(list(plans)),
         "learned": _plain(learned),
+        "holds": _plain(holds),
         "catalog": _plain(catalog.statistics()),
         "mount": mount,
     }
@@ -127,6 +128,13 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                  f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")
     m = now["mount"]
     lines.append(f"mount: {m['files']} files, {m['open_handles']} open handles, {m['writing']} being written")
+    if h := now.get("holds"):
+        lines.append(f"holds (open versions kept from gc): {h['versions']} versions, {h['chunks']} chunks, "
+                     f"{h['objects']} on the stores; {h['writes']} written, {h['skipped']} closed too soon to "
+                     f"need one, {h['renewed']} renewed, {h['deleted']} deleted")
+        if h["failed"] or h["late"]:
+            lines.append(f"WARNING: {h['failed']} holds no store took and {h['late']} that a store took late: gc "
+                         f"may have taken those versions' chunks once newer commits retired them (the log names them)")
     if cat := now.get("catalog"):
         lines.append(f"commits: {cat['commits']} ({cat['failed_commits']} failed, {cat['voided']} of them voided "
                      f"where a copy stayed), {cat['transactions']} transactions")

@@ -245,6 +245,12 @@ class WriteSession:
     def staging_path(self) -> Path:
         return self._file.path
 
+    @property
+    def committed(self) -> Manifest | None:
+        """The version the next commit builds on (its base, then its own last commit): that commit
+        names this one's unchanged chunks by reference, unchecked (the FUSE layer holds it: holds.py)."""
+        return self._committed
+
     def statistics(self) -> WriterStats:
         up = self._uploader.statistics()
         return WriterStats(

@@ -132,7 +132,7 @@ class Writer:
 
 async def _gc(cfg: Path, grace: float = GRACE, dry_run: bool = False,
               wrap: Callable[[Store], Store] | None = None) -> GcReport:
-    return await GarbageCollector(_pool(cfg, wrap), grace=grace, dry_run=dry_run).run()
+    return await GarbageCollector(_pool(cfg, wrap), grace=grace, dry_run=dry_run, settle=0).run()
 
 
 async def _run_cli(*args: str, config: Path):
@@ -798,10 +798,10 @@ async def test_a_retired_store_leaves_the_roster_by_forget_store(tmp_path: Path)
     old, new = _config(tmp_path, stores=range(4)), _config(tmp_path, name="new.toml")
     await roster.enroll(_pool(old))
     assert "s3" in (await _gc(new)).refused
-    dry = await GarbageCollector(_pool(new), grace=GRACE, dry_run=True, forget=["s3"]).run()
+    dry = await GarbageCollector(_pool(new), grace=GRACE, dry_run=True, forget=["s3"], settle=0).run()
     assert dry.refused == "" and "s3" in (await _gc(new)).refused
-    assert "in this config" in (await GarbageCollector(_pool(new), grace=GRACE, forget=["s2"]).run()).refused
-    done = await GarbageCollector(_pool(new), grace=GRACE, forget=["s3"]).run()
+    assert "in this config" in (await GarbageCollector(_pool(new), grace=GRACE, forget=["s2"], settle=0).run()).refused
+    done = await GarbageCollector(_pool(new), grace=GRACE, forget=["s3"], settle=0).run()
     assert done.refused == ""
     listed, problems = await roster.read(_pool(new))
     assert problems == [] and listed.stores == {"s0", "s1", "s2"}
@@ -881,11 +881,11 @@ async def test_gc_purges_a_removed_paths_history_once_keep_removed_has_passed(tm
     await w.put("/run/latest.pt", live)
     _age_chunks(tmp_path)
 
-    young = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=3600).run()
+    young = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=3600, settle=0).run()
     assert young.purged == 0 and sum(s.deleted for s in young.stores) == 0
     assert await Writer(tmp_path, cfg, "b2").read("/run/step_100.pt", old[0].version) == contents[0]  # restorable
 
-    report = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()
+    report = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()
     assert report.refused == "" and report.purged == 1
     assert not list(_stores_root(tmp_path).glob(f"s*/manifests/{path_hash('/run/step_100.pt')}/*"))
     assert sum(s.deleted for s in report.stores) == 2 * len(_digests(old))
@@ -893,7 +893,7 @@ async def test_gc_purges_a_removed_paths_history_once_keep_removed_has_passed(tm
     assert await Writer(tmp_path, cfg, "c3").read("/run/latest.pt") == live
     assert len(await w.catalog.history("/run/step_300.pt")) == 3
     assert await w.catalog.history("/run/step_100.pt") == []
-    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()).purged == 0
+    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()).purged == 0
 
 
 async def test_a_restore_racing_the_purge_of_its_path_keeps_its_chunks(tmp_path: Path) -> None:
@@ -910,7 +910,7 @@ async def test_a_restore_racing_the_purge_of_its_path_keeps_its_chunks(tmp_path:
     r = Writer(tmp_path, cfg, "b2", wrap)
     async with trio.open_nursery() as n:
         done = await _start_until_paused(n, lambda: r.catalog.restore("/ckpt.pt", v1.version), reached)
-        report = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()
+        report = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()
         release.set()
     assert report.purged == 1 and sum(s.deleted for s in report.stores) == 0
     assert await Writer(tmp_path, cfg, "c3").read("/ckpt.pt", done[0].version) == content
@@ -926,10 +926,10 @@ async def test_gc_keeps_removed_paths_as_long_as_the_longest_keep_removed_enroll
     forever = _config(tmp_path, name="forever.toml")
     forever.write_text('keep_removed = "forever"\n' + forever.read_text())
     await roster.enroll(_pool(forever))
-    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()).purged == 0
+    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()).purged == 0
     for p in _stores_root(tmp_path).glob("s*/roster/*.json"):
         p.unlink()
-    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()).purged == 1
+    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()).purged == 1
 
 
 def test_a_rotation_through_the_mount_frees_its_space_once_keep_removed_has_passed(tmp_path: Path, mount) -> None:
@@ -972,10 +972,10 @@ async def test_a_purge_cut_short_leaves_the_path_removed(tmp_path: Path) -> None
         faulty.refuse("delete", oldest)
         return faulty
 
-    report = await GarbageCollector(_pool(cfg, refusing), grace=GRACE, keep_removed=0).run()
+    report = await GarbageCollector(_pool(cfg, refusing), grace=GRACE, keep_removed=0, settle=0).run()
     assert report.purged == 1
     with pytest.raises(NotFound):
         await Writer(tmp_path, cfg, "b2").catalog.get("/old.pt")
     assert [i.ref.state for i in await Writer(tmp_path, cfg, "c3").catalog.history("/old.pt")] == ["deleted", "ok"]
-    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0).run()).purged == 1
+    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()).purged == 1
     assert not list(_stores_root(tmp_path).glob(f"s*/manifests/{h}/*"))

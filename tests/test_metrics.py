@@ -76,6 +76,8 @@ DOC = {
     "scheduler": {"inflight": 1, "a_field_added_later": 9},
     "learned": {"recordings": 3, "learned": 4, "replayed": 2, "strayed": 1, "shared_gets": 5, "shared_got": 2,
                 "shared_puts": 4, "shared_errors": 1},
+    "holds": {"versions": 2, "chunks": 40, "objects": 2, "writes": 3, "skipped": 7, "failed": 0, "late": 1,
+              "renewed": 6, "deleted": 3},
     "mount": {"files": 1},
 }
 
@@ -90,10 +92,12 @@ def test_render_names_types_and_labels_every_figure() -> None:
     assert m["cpfs_scheduler_a_field_added_later"] == {"": 9}     # a new field is never silently missing
     assert m["cpfs_learned_plans_total"] == {"": 2} and m["cpfs_learned_plans_left_total"] == {"": 1}
     assert m["cpfs_learned_shared_recordings_total"] == {"": 2} and m["cpfs_learned_shared_errors_total"] == {"": 1}
+    assert m["cpfs_holds_versions"] == {"": 2} and m["cpfs_holds_late_total"] == {"": 1}
     assert not any("time" in name or "reason" in name for name in m)
     text = metrics.render(DOC)
     assert "# TYPE cpfs_cache_hits_total counter" in text and "# TYPE cpfs_store_up gauge" in text
     assert "# TYPE cpfs_scheduler_a_field_added_later untyped" in text
+    assert "# TYPE cpfs_holds_failed_total counter" in text and "# TYPE cpfs_holds_versions gauge" in text
 
 
 def test_answer_routes() -> None:

@@ -123,11 +123,11 @@ async def test_a_failed_transaction_whose_record_cannot_be_taken_back_is_voided(
     assert not other.voids(s) and all(other.voids(dataclasses.replace(s, key=k)) for k in txn_version_keys(tmp_path))
     left = len(txn_version_keys(tmp_path))
     assert left == 2 * len(FILES)          # s0 refused their deletes as well
-    report = await GarbageCollector(make_pool(tmp_path), grace=0).run()
+    report = await GarbageCollector(make_pool(tmp_path), grace=0, settle=0).run()
     assert report.abandoned == left and txn_version_keys(tmp_path) == []
     assert len(list(tmp_path.glob("s0/txns/*"))) == 2                  # named by versions in that run
     assert await paths(tmp_path, stores=2) == set(FILES)
-    report = await GarbageCollector(make_pool(tmp_path), grace=0).run()
+    report = await GarbageCollector(make_pool(tmp_path), grace=0, settle=0).run()
     assert report.transactions == 2 and list(tmp_path.glob("s*/txns/*")) == []
     assert await paths(tmp_path, stores=2) == set(FILES)
 
@@ -172,9 +172,9 @@ async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path
     assert again.version == 3                 # above the dead transaction's version 2
     assert (await Catalog(make_pool(crashed, stores=3)).get("/run/step_1/model.pt")).size == 24
     assert len(txn_version_keys(crashed)) == 2 * len(FILES)   # keep=1 retired v1 only
-    report = await GarbageCollector(make_pool(crashed, stores=3), grace=3600).run()
+    report = await GarbageCollector(make_pool(crashed, stores=3), grace=3600, settle=0).run()
     assert report.abandoned == 0 and len(txn_version_keys(crashed)) == 2 * len(FILES)   # perhaps committing
-    report = await GarbageCollector(make_pool(crashed, stores=3), grace=0).run()
+    report = await GarbageCollector(make_pool(crashed, stores=3), grace=0, settle=0).run()
     assert report.refused == "" and report.abandoned == 2 * len(FILES) and txn_version_keys(crashed) == []
     assert await paths(crashed) == set(FILES)
     assert (await Catalog(make_pool(crashed, stores=3)).get("/run/step_1/optim.pt")).size == 15
@@ -187,13 +187,13 @@ async def test_gc_removes_records_no_version_names(tmp_path: Path) -> None:
     await moved(cat, "/run/step_1", "/run/final")
     records = list(tmp_path.glob("s*/txns/*.json"))
     assert len(records) == 2
-    await GarbageCollector(make_pool(tmp_path, stores=3), grace=0).run()
+    await GarbageCollector(make_pool(tmp_path, stores=3), grace=0, settle=0).run()
     assert len(list(tmp_path.glob("s*/txns/*.json"))) == 2            # still named by current versions
     for path in FILES:       # newer versions of every path retire the transaction's (keep=1)
         await commit_bytes(cat, path.replace("/run/step_1", "/run/final"), b"new")
         await commit_bytes(cat, path, b"again")
     assert txn_version_keys(tmp_path) == []
-    report = await GarbageCollector(make_pool(tmp_path, stores=3), grace=0).run()
+    report = await GarbageCollector(make_pool(tmp_path, stores=3), grace=0, settle=0).run()
     assert list(tmp_path.glob("s*/txns/*.json")) == [] and report.transactions == 1
     assert await paths(tmp_path) == set(FILES) | {p.replace("/run/step_1", "/run/final") for p in FILES}
 
