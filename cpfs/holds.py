@@ -168,10 +168,14 @@ class Holds:
         if h is None:
             self._serial += 1
             h = self._held[token] = _Held(m, f"{PREFIX}{self.ident}.{self._serial}.json", now)
+        elif h.users == 0 and not h.writing:
+            # Let go of and taken again before its write: DEFER counts from this open (the invariant
+            # is about how long a version stays open without a break).
+            h.taken_at, h.due = now, now + DEFER
         h.users += 1
         h.left_at = None
         if at_once and not h.writing:
-            h.due = now
+            h.due = min(h.due, now)
         self._wake.set()
         return token
 
