@@ -160,8 +160,8 @@ class Holds:
                          renewed=self._renewed, deleted=self._deleted)
 
     def take(self, m: Manifest, *, at_once: bool = False) -> Hashable:
-        """Hold version `m` until `drop` of the token returned: on the stores from DEFER after the
-        first take on (`at_once`: from now: a write session's base, see the module doc)."""
+        """Hold version `m` until `drop` of the token returned: on the stores once it has been open
+        for DEFER without a break (`at_once`: from now: a write session's base, see the module doc)."""
         token = token_of(m)
         now = trio.current_time()
         h = self._held.get(token)
