@@ -22,9 +22,10 @@ open.
 - `run()` (the daemon's nursery) owns the writes and deletions, and renews every hold each
   lease/RENEW_PARTS (a touch: its mtime is its lease; a store that lost it gets it again). At unmount
   `aclose()` deletes them all.
-- Best effort: a store that refuses a write is logged and the others hold it; gc reads every store. A
-  hold no store took, or took later than SETTLE - DEFER after the open, is logged as an error: gc may
-  take the version's chunks once newer commits retire it.
+- Best effort: a store that refuses a write is logged and the others hold it (a store marked down is
+  not asked: the pool logs it and probes it); gc reads every store. A hold no store took, or took
+  later than SETTLE - DEFER after the open, is logged as an error: gc may take the version's chunks
+  once newer commits retire it.
 
 What gc does (`read_holds`). After it has read the manifests it waits SETTLE, then lists and reads every
 hold on every store and counts its digests as referenced while the copy's mtime is within its lease. A
@@ -250,13 +251,18 @@ class Holds:
                         log.error("the hold %s of %s reached a store %.1fs after the open: a gc meanwhile "
                                   "may have missed it", h.key, hold.version, took)
                 h.stores.add(name)
-            await fan_out(put, self.pool.names, catch=())
+            await fan_out(put, self._up(), catch=())
             if not h.stores:
                 self._failed += 1
                 log.error("no store took the hold %s: gc may delete the chunks of %s once newer commits "
                           "retire it, while it is open here", h.key, hold.version)
         finally:
             h.settled.set()
+
+    def _up(self) -> list[str]:
+        """The stores to write holds to: those not marked down (the pool logs those, and probes them),
+        or every store if all are."""
+        return [n for n in self.pool.names if self.pool.is_up(n)] or list(self.pool.names)
 
     async def _renew(self, held: list[_Held]) -> None:
         """Touch every hold on the stores that have it (its mtime is its lease); put it again where a
@@ -275,7 +281,8 @@ class Holds:
             except StoreError as e:
                 log.warning("store %r: could not renew the hold %s (%s): it lapses %gs after its last write",
                             name, h.key, e, self.lease)
-        await fan_out(renew, [(h, name) for h in held for name in sorted(h.stores)], catch=())
+        up = set(self._up())
+        await fan_out(renew, [(h, name) for h in held for name in sorted(h.stores & up)], catch=())
         for h in again:
             if h.settled.is_set() and self._nursery is not None:
                 h.settled = trio.Event()

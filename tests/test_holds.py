@@ -18,6 +18,7 @@ import trio
 
 from cpfs.gc import GarbageCollector
 from cpfs.holds import DEFER, PREFIX, Holds
+from cpfs.errors import StoreUnavailable
 from cpfs.store import FaultyStore, Store, StoreWrapper
 from tests.conftest import cpfs
 from tests.test_gc import (GRACE, SIZE, Writer, _age_chunks, _chunk_files, _config, _digests, _gc,
@@ -296,6 +297,31 @@ async def test_a_store_refusing_the_hold_does_not_fail_the_open(tmp_path: Path) 
         none.take(first, at_once=True)
         await _until(lambda: none.statistics().failed >= 2)       # tried again at the renewal
         assert none.statistics().writes == 0
+
+
+class Unreachable(StoreWrapper):
+    """A store that cannot be reached: its check fails, so the pool marks it down."""
+
+    async def check(self) -> None:
+        raise StoreUnavailable(self.name, "unreachable")
+
+
+async def test_a_store_marked_down_is_not_asked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Holds go to the stores that are up: a store the pool marked down (the pool logs that, and
+    probes it) is not asked for each hold, so no warning per hold; gc counts the copies on the others."""
+    cfg = _config(tmp_path)
+    w, data, first = await _retired_version(tmp_path, cfg)
+    pool = _pool(cfg, lambda s: Unreachable(s) if s.name == "s0" else s)
+    await pool.check()
+    assert not pool.is_up("s0")
+    async with _running(Holds(pool)) as holds:
+        holds.take(first, at_once=True)
+        await _until(lambda: holds.statistics().writes == 1 and len(_hold_files(tmp_path)) == 2)
+        assert holds.statistics().failed == 0
+        assert not [r for r in caplog.records if "could not write the hold" in r.getMessage()]
+        _age_chunks(tmp_path)
+        report = await GarbageCollector(_pool(cfg), grace=GRACE, settle=0).run()
+        assert report.held == len(_digests([first])) and _missing_copies(tmp_path, first) == []
 
 
 class HangingHolds(StoreWrapper):
