@@ -527,8 +527,7 @@ class CpfsOperations(pyfuse3.Operations):
             assert self.nursery is not None
             base = None if node.summary is None or node.summary.size == 0 else await self._manifest(node)
             # Its unchanged chunks are committed by reference, unchecked: held while the session runs.
-            hold = (self.holds.take(base, at_once=True) if self.holds is not None and base and not truncate
-                    else None)
+            hold = self._hold(base, at_once=True) if base and not truncate else None
             if node.ino in self.writing or node.ino in self._settling:     # another open or a chmod meanwhile
                 self._let_go(hold)
                 return await self._session(node, truncate, mode, explicit)
@@ -560,7 +559,7 @@ class CpfsOperations(pyfuse3.Operations):
         m = w.session.committed
         if self.holds is None or m is None or m is w.held:
             return
-        token = self.holds.take(m, at_once=True)
+        token = self._hold(m, at_once=True)
         self._let_go(w.hold)
         w.hold, w.held = token, m
 
@@ -654,7 +653,7 @@ class CpfsOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, direct=direct)), keep_cache=True)
         assert self.nursery is not None
         m = await self._manifest(node)
-        hold = self.holds.take(m) if self.holds is not None else None
+        hold = self._hold(m)
         try:
             reader = await self.sched.open(self.nursery, m, node.index, inode, direct)
         except BaseException:
@@ -662,6 +661,10 @@ class CpfsOperations(pyfuse3.Operations):
             raise
         fh = self._new_handle(Handle(node, reader, direct=direct, hold=hold))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    def _hold(self, m: Manifest, *, at_once: bool = False) -> Hashable | None:
+        """Keep version `m` from gc while it is open here (cpfs/holds.py); `_let_go` of the token ends it."""
+        return self.holds.take(m, at_once=at_once) if self.holds is not None else None
 
     def _let_go(self, hold: Hashable | None) -> None:
         if hold is not None and self.holds is not None:
@@ -690,7 +693,7 @@ class CpfsOperations(pyfuse3.Operations):
                 return b""
             m = await self._manifest(h.node)
             assert self.nursery is not None
-            hold = self.holds.take(m) if self.holds is not None else None
+            hold = self._hold(m)
             self._let_go(h.hold)
             h.hold = hold
             h.reader = await self.sched.open(self.nursery, m, h.node.index, h.node.ino, h.direct)

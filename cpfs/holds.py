@@ -105,7 +105,7 @@ class Hold:
 class HoldStats:
     versions: int        # versions held now (open here)
     chunks: int          # distinct chunks they name
-    objects: int         # holds on the stores, or being written or deleted (a version let go of stays DROP_DELAY)
+    objects: int         # holds written or being written (one let go of stays until DROP_DELAY ends)
     writes: int          # holds written (a store took them)
     skipped: int         # versions let go of before DEFER: no hold was written
     failed: int          # holds no store took: those versions were not protected from gc
@@ -233,7 +233,6 @@ class Holds:
         Its caller gave it a fresh `settled`, before starting it."""
         m = h.manifest
         hold = Hold(self.lease, f"{m.path}@{m.version}", frozenset(c.digest for c in m.chunks))
-        first = h.stores == set()
         try:
             data = await trio.to_thread.run_sync(hold.to_bytes, limiter=self.pool.cpu)
 
@@ -243,7 +242,7 @@ class Holds:
                 except StoreError as e:
                     log.warning("store %r: could not write the hold %s of %s (%s)", name, h.key, hold.version, e)
                     return
-                if not h.stores and first:
+                if not h.stores:          # the first store to take it (no store held it before)
                     self._writes += 1
                     took = trio.current_time() - h.taken_at
                     if took > SETTLE - DEFER:

@@ -2,7 +2,8 @@
 
 Folder stores, real gc runs. Each "mount" or "host" is a StorePool of its own over the same folders
 (tests/test_gc.py's helpers); ages are set with os.utime; stores misbehave through wrappers
-(FaultyStore, a counting wrapper), never patches. The last test goes through a real mount.
+(FaultyStore and small wrappers of this file), never patches. The last two tests go through real
+mounts.
 """
 from __future__ import annotations
 
