@@ -149,6 +149,7 @@ class Config:
     chunk_size: int = 4 * 1024**2
     compression: str = "lz4"
     cache_memory: int = 1024**3
+    cache_buffers: int | None = None  # read buffers kept ready (cpfs/buffers.py); None: cache_memory // 8
     readahead_initial: int = 8 * 1024**2
     readahead_max: int = 256 * 1024**2
     fetch_concurrency: int = 16
@@ -171,6 +172,11 @@ class Config:
     log_level: str = "INFO"
     metrics_listen: tuple[str, int] | None = None   # [metrics] listen: Prometheus figures (cpfs/metrics.py)
 
+    @property
+    def ready_buffers(self) -> int:
+        """Bytes of read buffers the daemon keeps backed and ready ([cache] buffers, see cpfs/buffers.py)."""
+        return self.cache_memory // 8 if self.cache_buffers is None else self.cache_buffers
+
     def store(self, name: str) -> StoreConfig:
         for s in self.stores:
             if s.name == name:
@@ -190,7 +196,7 @@ _TOP = {
     "log_level": ("log_level", str),
 }
 _SECTIONS = {
-    "cache": {"memory": ("cache_memory", parse_size)},
+    "cache": {"memory": ("cache_memory", parse_size), "buffers": ("cache_buffers", parse_size)},
     "readahead": {
         "initial": ("readahead_initial", parse_size),
         "max": ("readahead_max", parse_size),
@@ -372,6 +378,8 @@ def parse_config(text: str, source: str, base: Path) -> Config:
         raise _fail(source, "chunk_size", "must be between 64KiB and 256MiB")
     if values.get("cache_memory", Config.cache_memory) < 4 * chunk_size:
         raise _fail(source, "cache.memory", f"must hold at least 4 chunks ({4 * chunk_size} bytes)")
+    if values.get("cache_buffers", 0) > values.get("cache_memory", Config.cache_memory) // 2:
+        raise _fail(source, "cache.buffers", "must be at most half of cache.memory")
     for key, fld in (("readahead.concurrency", "fetch_concurrency"), ("readahead.cpu_threads", "cpu_threads"),
                      ("mount.max_tasks", "max_tasks")):
         if values.get(fld, 1) < 1:

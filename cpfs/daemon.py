@@ -88,7 +88,7 @@ async def trim_buffers(pools: tuple[buffers.BufferPool, ...], interval: float = 
         await trio.sleep(interval)
         for i, p in enumerate(pools):
             st = p.statistics()
-            if st.reused + st.allocated == seen[i] and st.bytes:
+            if st.reused + st.allocated == seen[i] and st.bytes > st.keep:
                 p.trim()
             seen[i] = st.reused + st.allocated
 
@@ -110,6 +110,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     # size classes; within half the cache budget, which counts the same bytes while they are cached.
     buffers.POOL.max_bytes = min(config.cache_memory // 2, config.readahead_max * 5 // 4 + config.fetch_concurrency
                                  * buffers.size_class(config.chunk_size + chunkfmt.HEADER_SIZE))
+    # Folder stores read into them; kept backed, so a cold load after an idle spell pays no first touches.
+    if any(s.kind == "dir" for s in config.stores):
+        buffers.POOL.keep = min(config.ready_buffers, buffers.POOL.max_bytes)
     pusher = Pusher() if config.notify_store else None
     sched = Scheduler(cache, pool.fetch_chunk, config, on_chunk=pusher, fetch_many=pool.fetch_chunks,
                       fetch_blocks=pool.fetch_blocks, on_reply=pusher.replied if pusher else None)
@@ -152,6 +155,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             n.start_soon(announce)
             n.start_soon(on_signal)
             n.start_soon(trim_buffers, (buffers.POOL, ENCODE_POOL))
+            n.start_soon(trio.to_thread.run_sync, buffers.POOL.prefill, config.chunk_size + chunkfmt.HEADER_SIZE)
             await n.start(sched.run)
             if learner is not None:
                 await n.start(learner.run)

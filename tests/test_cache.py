@@ -140,6 +140,53 @@ def test_a_read_buffer_is_reused_only_once_nothing_refers_to_it():
     assert pool.trim() > 0 and pool.statistics().bytes == 0
 
 
+def test_a_read_takes_an_idle_larger_buffer_before_mapping_a_new_one():
+    """A new buffer's pages cost a first touch each; an idle larger one's are backed (cpfs/buffers.py)."""
+    from cpfs.buffers import PAGE, BufferPool
+
+    pool = BufferPool(max_bytes=64 * PAGE)
+    big = pool.take(16 * PAGE)
+    held = memoryview(big)[:PAGE]          # a cached chunk's view keeps the big buffer in use
+    del big
+    small = pool.take(PAGE)
+    assert small is not held.obj and pool.statistics().larger == 0 and pool.statistics().allocated == 2
+    del held
+    other = pool.take(2 * PAGE)            # no idle buffer of its class: the idle big one
+    assert len(other) == 16 * PAGE and pool.statistics().larger == 1
+    again = pool.take(2 * PAGE)            # the big one is in use now: a buffer of its own class
+    assert len(again) == 2 * PAGE and pool.statistics().allocated == 3
+    del small, other, again
+
+
+def test_prefilled_buffers_are_backed_and_trim_keeps_them_freeing_smaller_ones_first():
+    from cpfs.buffers import PAGE, BufferPool, size_class
+
+    def rss_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+    size = 1024 * 1024
+    pool = BufferPool(max_bytes=64 * size, keep=8 * size)
+    before = rss_kib()
+    assert size_class(size) == size and pool.prefill(size) == 8 * size
+    assert rss_kib() - before >= 8 * size // 1024 * 9 // 10, "prefilled pages were not touched"
+    assert pool.prefill(size) == 0                                   # already `keep` bytes
+    small = [pool.take(PAGE) for _ in range(4)]                      # 4 idle big ones serve these...
+    extra = [pool.take(size) for _ in range(6)]                      # ...the other 4 and 2 new ones these
+    st = pool.statistics()
+    assert (st.larger, st.reused, st.allocated) == (4, 8, 2)
+    del small, extra
+    assert pool.statistics().bytes == 10 * size
+    assert pool.trim() == 2 * size and pool.statistics().bytes == 8 * size     # back to keep
+    busy = [pool.take(size) for _ in range(8)]
+    page = pool.take(PAGE)                                           # every big one busy: a small one
+    del busy, page
+    assert pool.trim() == PAGE and pool.statistics().bytes == 8 * size         # the small one goes first
+    pool.keep = 0
+    pool.trim()
+    assert pool.statistics().bytes == 0
+
+
 def test_size_classes_waste_at_most_a_quarter():
     from cpfs.buffers import PAGE, size_class
 

@@ -27,6 +27,8 @@ def test_defaults() -> None:
     cfg = _parse(STORES)
     assert (cfg.replicas, cfg.chunk_size, cfg.compression, cfg.cache_memory) == (2, 4 * 1024**2, "lz4", 1024**3)
     assert cfg.write_quorum == 2
+    assert cfg.ready_buffers == 128 * 1024**2                    # [cache] buffers: memory / 8
+    assert _parse('[cache]\nmemory = "2GiB"\nbuffers = "0"\n' + STORES).ready_buffers == 0
     assert [(s.name, s.path, s.kind) for s in cfg.stores] == [("a", Path("/cfg/a"), "dir"),
                                                               ("b", Path("/cfg/b"), "dir")]
 
@@ -113,6 +115,7 @@ BAD = {
     "bad-cache-size": ('[cache]\nmemory = "lots"\n' + STORES, "cache.memory", "expected a size"),
     "tiny-chunks": ('chunk_size = "1KiB"\n' + STORES, "chunk_size", "between 64KiB and 256MiB"),
     "small-cache": ('[cache]\nmemory = "8MiB"\n' + STORES, "cache.memory", "at least 4 chunks"),
+    "big-buffers": ('[cache]\nbuffers = "600MiB"\n' + STORES, "cache.buffers", "at most half of cache.memory"),
     "duplicate-store": (STORES + '[[store]]\nname = "a"\nurl = "c"\n', "store 'a'.name", "duplicate store name"),
     "same-folder": (STORES + '[[store]]\nname = "c"\nurl = "a/"\n', "store 'a'.url", "share the folder"),
     "too-many-replicas": ('replicas = 3\n' + STORES, "replicas", "3 replicas need at least 3 stores, 2 configured"),
