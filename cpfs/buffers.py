@@ -21,8 +21,10 @@ Ready buffers (`prefill`, `keep`): the first touch of a fresh page is the costly
 well), and a load after an idle spell found none: trim had freed them. The daemon fills `keep` bytes
 of chunk-sized buffers at mount, every page touched, and trim leaves them, so every cold load starts
 with backed buffers; a chunk of any size may take one. Measured on this 2-core VM (fresh mount, cold
-torch.load of 512 MiB from 3 folder stores, 4 alternated rounds, medians): daemon CPU 0.81 -> 0.68
-CPU-s per GiB for 64 MiB tensors and 1.20 -> 1.08 for 0.5-2 MiB ones, with 120 MiB kept ready.
+torch.load of 512 MiB from 3 folder stores, the code before and after alternated, 4 rounds, medians):
+daemon CPU 0.84 -> 0.72 CPU-s per GiB for 64 MiB tensors (load 0.57 -> 0.50 s); 0.5-2 MiB tensors
+unchanged (1.13 / 1.14: ~100 chunks in flight outnumber the 25 ready buffers of 5 MiB). The cost:
+`keep` bytes resident while the mount is idle (default [cache] memory / 8, 128 MiB).
 
 Buffers of HUGE bytes or more ask for transparent huge pages (madvise; the kernel's default THP mode
 is "madvise"): an O_DIRECT read into a 4 MiB chunk's buffer then pins 2 MiB pages, not 4 KiB ones, and
