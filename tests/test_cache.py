@@ -1,6 +1,8 @@
 """The chunk cache with a fake loader: budget, LRU, single-flight, pins, errors, cancellation."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import trio
 import trio.testing
@@ -208,3 +210,32 @@ async def test_folder_store_get_with_reads_what_get_reads_and_views_stay_intact(
         assert bytes(await store.get_with(k, lambda data: data, limiter)) == v == await store.get(k)
     for k, view in held:
         assert bytes(view) == blobs[k]
+
+
+async def test_folder_store_reads_a_batch_into_one_buffer_and_its_views_stay_intact(tmp_path):
+    """A batch of small chunks takes one (chunk-sized, ready) buffer, not one each; every object sits
+    at a page boundary of it, and a view of one keeps the whole buffer from the next batches."""
+    from cpfs.buffers import POOL
+    from cpfs.errors import NoSuchObject
+    from cpfs.store.directory import DirectoryStore
+
+    store = DirectoryStore("d", tmp_path / "s")
+    blobs = {f"k/{i}": os.urandom(5000 + 40_000 * i) for i in range(5)}      # not page multiples
+    for k, v in blobs.items():
+        await store.put(k, v)
+    limiter = trio.CapacityLimiter(2)
+    keys = [*blobs, "k/absent"]
+
+    def takes() -> int:
+        st = POOL.statistics()
+        return st.reused + st.allocated
+
+    before = takes()
+    first = await store.get_many_with([(k, lambda data: data) for k in keys], limiter)     # views, kept
+    assert takes() - before == 1
+    assert [bytes(v) for v in first[:5]] == list(blobs.values()) and isinstance(first[5], NoSuchObject)
+    assert len({v.obj for v in first[:5]}) == 1                               # one buffer under them all
+    for _ in range(3):                      # more batches: none may land in the buffer still viewed
+        again = await store.get_many_with([(k, bytes) for k in keys], limiter)
+        assert again[:5] == list(blobs.values())
+    assert [bytes(v) for v in first[:5]] == list(blobs.values())
