@@ -134,6 +134,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             async def announce() -> None:
                 await trio.to_thread.run_sync(os.stat, mountpoint)
                 await trio.to_thread.run_sync(_set_kernel_readahead, mountpoint, config.read_ahead_kb)
+                # The ready read buffers (cpfs/buffers.py), before the launcher returns: their first
+                # touches belong to starting the mount, not to the first load.
+                await trio.to_thread.run_sync(buffers.POOL.prefill, config.chunk_size + chunkfmt.HEADER_SIZE)
                 log.info("mounted %s (pid %d)", mountpoint, os.getpid())
                 if ready_fd is not None:
                     os.write(ready_fd, b"READY\n")
@@ -155,7 +158,6 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             n.start_soon(announce)
             n.start_soon(on_signal)
             n.start_soon(trim_buffers, (buffers.POOL, ENCODE_POOL))
-            n.start_soon(trio.to_thread.run_sync, buffers.POOL.prefill, config.chunk_size + chunkfmt.HEADER_SIZE)
             await n.start(sched.run)
             if learner is not None:
                 await n.start(learner.run)

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from . import plan, stats
+from . import buffers, plan, stats
 from .catalog import Catalog, Unreadable
 from .chunking import READ_BLOCK
 from .config import Config
@@ -458,7 +458,8 @@ class CpfsOperations(pyfuse3.Operations):
                              plans=self.plans.statistics() + (self.learner.plans() if self.learner else []),
                              learned=self.learner.statistics() if self.learner else None,
                              pushes=self.pusher.statistics() if self.pusher else None,
-                             holds=self.holds.statistics() if self.holds else None)
+                             holds=self.holds.statistics() if self.holds else None,
+                             buffers=buffers.POOL.statistics())
 
     @boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:

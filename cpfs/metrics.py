@@ -183,6 +183,16 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("catalog", "failed_commits"): ("cpfs_catalog_failed_commits_total", "counter",
                                     "Commits that did not reach the write quorum."),
     ("catalog", "retired"): ("cpfs_catalog_retired_total", "counter", "Old versions deleted."),
+    # cpfs.buffers: the folder stores' read buffers
+    ("buffers", "buffers"): ("cpfs_read_buffers", "gauge", "Read buffers the pool tracks, in use or idle."),
+    ("buffers", "bytes"): ("cpfs_read_buffers_bytes", "gauge", "Their size."),
+    ("buffers", "keep"): ("cpfs_read_buffers_ready_bytes", "gauge",
+                          "Bytes of buffers kept backed while idle ([cache] buffers)."),
+    ("buffers", "reused"): ("cpfs_read_buffers_reused_total", "counter", "Reads into a buffer already backed."),
+    ("buffers", "larger"): ("cpfs_read_buffers_reused_larger_total", "counter",
+                            "... of those, into a buffer of a larger size class."),
+    ("buffers", "allocated"): ("cpfs_read_buffers_mapped_total", "counter",
+                               "Reads that mapped a new buffer (its pages touched for the first time)."),
     # cpfs.holds
     ("holds", "versions"): ("cpfs_holds_versions", "gauge", "Versions open here and kept from gc."),
     ("holds", "chunks"): ("cpfs_holds_chunks", "gauge", "Distinct chunks the held versions name."),

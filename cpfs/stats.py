@@ -29,10 +29,11 @@ def _plain(value: Any) -> Any:
 
 
 def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], plans: Sequence[Any] = (),
-            learned: Any = None, pushes: Any = None, holds: Any = None) -> bytes:
+            learned: Any = None, pushes: Any = None, holds: Any = None, buffers: Any = None) -> bytes:
     """The JSON document: stores (requests, bytes, errors, latency), their health, replica reads
-    (hedges, repairs), the chunk cache, the readahead scheduler, the page-cache pushes, declared and
-    learned prefetches, the versions held open against gc, the catalog, and the mount's own."""
+    (hedges, repairs), the chunk cache, the readahead scheduler, the page-cache pushes, the read
+    buffers, declared and learned prefetches, the versions held open against gc, the catalog, and the
+    mount's own."""
     doc = {
         "time": time.time(),
         "stores": _plain(pool.statistics()),
@@ -41,6 +42,7 @@ def collect(*, pool: Any, catalog: Any, scheduler: Any, mount: dict[str, Any], p
         "cache": _plain(scheduler.cache.statistics()),
         "scheduler": _plain(scheduler.statistics()),
         "pushes": _plain(pushes),
+        "buffers": _plain(buffers),
         "plans": _plain(list(plans)),
         "learned": _plain(learned),
         "holds": _plain(holds),
@@ -85,6 +87,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     c, sc, r = now["cache"], now["scheduler"], now["replicas"]
     lines.append(f"cache: {c['used'] / MiB:.0f} of {c['budget'] / MiB:.0f} MiB, {c['hits']} hits, "
                  f"{c['misses']} misses, {c['evictions']} evictions")
+    if b := now.get("buffers"):
+        lines.append(f"read buffers: {b['bytes'] / MiB:.0f} MiB ({b['keep'] / MiB:.0f} MiB kept ready), {b['reused']} "
+                     f"reads into backed ones ({b['larger']} of a larger size), {b['allocated']} into new ones")
     prefetch = f"{sc['prefetches']} prefetched ({sc['prefetch_failures']} failed"
     if "prefetch_used" in sc and "prefetch_wasted" in sc:
         prefetch += f", {sc['prefetch_used']} used, {sc['prefetch_wasted']} wasted"

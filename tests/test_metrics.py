@@ -78,6 +78,7 @@ DOC = {
                 "shared_puts": 4, "shared_errors": 1},
     "holds": {"versions": 2, "chunks": 40, "objects": 2, "writes": 3, "skipped": 7, "failed": 0, "late": 1,
               "renewed": 6, "deleted": 3},
+    "buffers": {"buffers": 25, "bytes": 131072000, "keep": 134217728, "reused": 259, "larger": 223, "allocated": 27},
     "mount": {"files": 1},
 }
 
@@ -93,6 +94,7 @@ def test_render_names_types_and_labels_every_figure() -> None:
     assert m["cpfs_learned_plans_total"] == {"": 2} and m["cpfs_learned_plans_left_total"] == {"": 1}
     assert m["cpfs_learned_shared_recordings_total"] == {"": 2} and m["cpfs_learned_shared_errors_total"] == {"": 1}
     assert m["cpfs_holds_versions"] == {"": 2} and m["cpfs_holds_late_total"] == {"": 1}
+    assert m["cpfs_read_buffers_ready_bytes"] == {"": 134217728} and m["cpfs_read_buffers_mapped_total"] == {"": 27}
     assert not any("time" in name or "reason" in name for name in m)
     text = metrics.render(DOC)
     assert "# TYPE cpfs_cache_hits_total counter" in text and "# TYPE cpfs_store_up gauge" in text

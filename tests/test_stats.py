@@ -106,6 +106,11 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     assert "1 waiting for the mount to be idle, 4 given up" in render(now)
     now["replicas"].update(reads=12, batch_reads=2, batched=9)
     assert "replicas: 12 reads (9 in 2 batches)," in render(now, before)
+    assert "read buffers" not in render(now)
+    now["buffers"] = {"buffers": 26, "bytes": 130 * MiB, "keep": 128 * MiB, "reused": 259, "larger": 223,
+                      "allocated": 27}
+    assert ("read buffers: 130 MiB (128 MiB kept ready), 259 reads into backed ones (223 of a larger size), "
+            "27 into new ones") in render(now)
 
 
 def _read_through_a_mount(make_config, tmp_path: Path, mount) -> tuple:
