@@ -213,30 +213,16 @@ class DirectoryStore(Store):
         """The whole object in a reused buffer (cpfs.buffers). With O_DIRECT where the folder's
         filesystem takes it: from the disk straight into the buffer, no copy, and no page-cache pages
         to add and drop again; elsewhere a plain read, its pages dropped as in `_read_sync`."""
-        direct = self._direct
-        try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        except OSError as e:
-            if not direct or e.errno != errno.EINVAL:
-                raise
-            return self._no_direct(path, e)
+        fd = self._open_read(path)
         try:
             size = os.fstat(fd).st_size
             view = memoryview(POOL.take(size))
-            end = -(-size // PAGE) * PAGE             # whole pages: what an O_DIRECT read may ask for
-            got = 0
             try:
-                while got < size:
-                    n = os.preadv(fd, [view[got:end]], got)
-                    if not n:
-                        break
-                    got += n
+                got = self._fill(fd, view[:-(-size // PAGE) * PAGE], size)   # whole pages, for O_DIRECT
             except OSError as e:
-                if not direct or e.errno != errno.EINVAL:
+                if not self._direct or e.errno != errno.EINVAL:
                     raise
                 return self._no_direct(path, e)
-            if not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return view[:got]
         finally:
             os.close(fd)
