@@ -30,6 +30,11 @@ def test_stats_of_a_mount_count_what_a_read_did(make_config, tmp_path: Path, mou
     fetched = sum(s["bytes_read"] for s in after["stores"]) - sum(s["bytes_read"] for s in before["stores"])
     assert fetched >= len(data)                       # every chunk came from some store, once at least
     assert after["cache"]["misses"] >= 6 and after["mount"]["files"] == 1
+    # The ready read buffers ([cache] buffers: memory / 8 = 8 MiB here) were backed before the mount
+    # returned, and the read went into them rather than into new ones.
+    ready = before["buffers"]
+    assert ready["keep"] == 8 * MiB and 0 < ready["bytes"] <= 8 * MiB and ready["reused"] == ready["allocated"] == 0
+    assert after["buffers"]["reused"] >= 1
     # The chunks went to the kernel's page cache, each page once at most: pushed, or left out of its push
     # because the reply to the reader's read gave it first (a push counts once its thread is done).
     for _ in range(50):
