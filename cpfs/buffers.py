@@ -111,14 +111,15 @@ class BufferPool:
         self._idle = _refs([mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE)], 0)
 
     def statistics(self) -> BufferStats:
-        return BufferStats(buffers=sum(map(len, self._classes.values())), bytes=self._bytes, keep=self.keep,
-                           reused=self._reused, larger=self._larger, allocated=self._allocated)
+        with self._lock:                  # worker threads add size classes meanwhile
+            return BufferStats(buffers=sum(map(len, self._classes.values())), bytes=self._bytes, keep=self.keep,
+                               reused=self._reused, larger=self._larger, allocated=self._allocated)
 
     def _free_index(self, cls: int) -> int | None:
         """Where an idle buffer of class `cls` is in its list (an index: a name would hold a reference)."""
-        bufs = self._classes.get(cls, ())
+        bufs = self._classes.get(cls, [])
         for i in range(len(bufs)):
-            if _refs(bufs, i) == self._idle:  # type: ignore[arg-type]
+            if _refs(bufs, i) == self._idle:
                 return i
         return None
 

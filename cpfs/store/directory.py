@@ -111,6 +111,11 @@ def write_durably(path: Path, data: bytes | memoryview, mode: int, drop_pages: b
     _fsync_dir(path.parent)
 
 
+def _whole_pages(n: int) -> int:
+    """n rounded up to whole pages: what an O_DIRECT read of n bytes asks for, into a page-aligned place."""
+    return -(-n // PAGE) * PAGE
+
+
 class DirectoryStore(Store):
     """The `dir` kind: file:///abs/path URLs, or plain paths (relative to the config file's folder)."""
 
@@ -218,7 +223,7 @@ class DirectoryStore(Store):
             size = os.fstat(fd).st_size
             view = memoryview(POOL.take(size))
             try:
-                got = self._fill(fd, view[:-(-size // PAGE) * PAGE], size)   # whole pages, for O_DIRECT
+                got = self._fill(fd, view[:_whole_pages(size)], size)
             except OSError as e:
                 if not self._direct or e.errno != errno.EINVAL:
                     raise
@@ -268,7 +273,7 @@ class DirectoryStore(Store):
             for o in opened:
                 places.append(total)
                 if isinstance(o, tuple):
-                    total += -(-o[1] // PAGE) * PAGE
+                    total += _whole_pages(o[1])
             view = memoryview(POOL.take(max(total, PAGE)))
             results: list[T | StoreError] = []
             for (key, fn), o, at in zip(reads, opened, places):
@@ -277,17 +282,17 @@ class DirectoryStore(Store):
                     continue
                 fd, size = o
                 try:
-                    got = self._fill(fd, view[at:at + -(-size // PAGE) * PAGE], size)
+                    data = view[at:at + self._fill(fd, view[at:at + _whole_pages(size)], size)]
                 except OSError as e:
                     if not (self._direct and e.errno == errno.EINVAL):
                         results.append(self._error(e, key))
                         continue
-                    try:                                  # O_DIRECT refused after the open: read it alone
-                        results.append(self._guarded(self._read_with_sync, self._path(key), fn))
+                    try:                                  # O_DIRECT refused after the open: as a single read
+                        data = self._no_direct(self._path(key), e)
                     except OSError as e2:
                         results.append(self._error(e2, key))
-                    continue
-                results.append(fn(view[at:at + got]))
+                        continue
+                results.append(fn(data))
             return results
         finally:
             for o in opened:
