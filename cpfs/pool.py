@@ -12,7 +12,11 @@ The pool holds replica policy, nothing about any one kind of store:
   reads queued ahead of it on that store explain (saturated links are not a reason to hedge), also asks
   the next replica, the first answer wins and the other is cancelled; at most `hedges` in flight.
   A read cancelled that way counts twice its elapsed time as a latency sample, so a hung or
-  straggling store sinks in the ranking instead of costing a hedge delay on every read;
+  straggling store sinks in the ranking instead of costing a hedge delay on every read. Hedges are
+  paid from a budget (`Budget`, cpfs/sync.py) that answered reads fill at HEDGE_RATIO a read and that
+  a hedge that wins refills: where the stores are slow together (one disk, one gateway) hedges lose,
+  and then cost at most ~HEDGE_RATIO of the reads instead of joining the queue they meant to overtake;
+  a read held back that way is hedged anyway once its store has been silent for `hedge_max`;
 - prefetch batches of small chunks (`fetch_chunks`) are read with one request per store that holds
   several of them (`Store.get_many_with`), not hedged; what a batch does not bring goes through the
   replica iterator chunk by chunk;
@@ -59,7 +63,7 @@ from .manifest import ChunkEntry
 from .placement import place
 from .store import MeteredStore, ObjectInfo, Store, StoreStats, open_store
 from .store.base import Capacity
-from .sync import FanOut, fan_out, quorum
+from .sync import Budget, FanOut, fan_out, quorum
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,6 +81,9 @@ SUSPECTS_MAX = 100_000       # (store, digest) pairs remembered as read corrupt
 LATENCY_SAMPLES = 64         # recent read latencies kept per store (for the p95 that hedging uses)
 ANSWERED_SAMPLES = 16        # recent answered reads kept per store (the fastest: what it takes at best)
 SLOW_RATIO = 4.0             # a store this much slower at best than another candidate is known slow
+HEDGE_RATIO = 0.05           # hedges that lose may add this share of the reads (Budget), beyond a burst
+                             # of `hedges` (a burst of 2 let test_hedging's 20x straggler cost 1.44x, not 1.2x)
+HELD_BACK_MIN = 0.001        # seconds at least before a read the budget held back looks again
 EXPLORE_EVERY = 32           # a known-slow store is asked along with the first replica once in this many
 BACKGROUND_BYTES = 64 * 1024**2  # blob bytes that writes returned at quorum may leave in flight...
 BACKGROUND_WRITES = 256      # ... and writes (manifests are small): beyond either, a write waits
@@ -99,6 +106,8 @@ class ReplicaStats:
     hedges_won: int           # ... where the hedge answered first
     hedges_in_flight: int
     hedges_skipped: int       # slow reads not hedged because `hedges` were in flight
+    hedges_over_budget: int   # slow reads whose hedge waited because hedges had lost lately (Budget)
+    hedge_tokens: float       # hedges the budget allows now (HEDGE_RATIO per answered read, at most `hedges`)
     repairs_dropped: int      # read repairs not queued because the queue was full
     touched: int              # old copies dedup reused and touched, so that a gc spares them
     renewed: int              # copies a pending commit counts on, touched again (renew)
@@ -156,10 +165,11 @@ class StorePool:
     def __init__(self, config: Config, stores: Sequence[Store] | None = None, *,
                  probe_interval: float = PROBE_INTERVAL, seed: int | None = None,
                  background_bytes: int = BACKGROUND_BYTES, shutdown_grace: float = SHUTDOWN_GRACE,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, hedge_budget: Budget | None = None) -> None:
         """The stores `config` describes, or `stores` (tests inject wrapped stores; each gets a
         MeteredStore around it unless it is one). `clock`: the wall clock that store ages (mtimes) are
-        judged against (tests inject one that has moved on)."""
+        judged against (tests inject one that has moved on). `hedge_budget`: what pays for hedges (by
+        default HEDGE_RATIO per answered read, up to `hedges`; tests inject a spent one)."""
         self.config = config
         self.clock = clock
         built = stores if stores is not None else [open_store(s) for s in config.stores]
@@ -183,7 +193,10 @@ class StorePool:
         self._repair_send, self._repair_recv = trio.open_memory_channel[tuple[str, str, bytes, str]](REPAIR_QUEUE)
         self._repairs_dropped = 0
         self._reads = self._fallbacks = self._hedges = self._hedges_won = 0
-        self._hedging = self._hedges_skipped = 0
+        self._hedging = self._hedges_skipped = self._hedges_over_budget = 0
+        self._hedge_budget = (hedge_budget if hedge_budget is not None
+                              else Budget(HEDGE_RATIO, burst=max(1, config.hedges)))
+        self._last_answer = {n: -math.inf for n in self.names}    # when it last answered a request
         self._touched = self._renewed = 0
         self._batch_reads = self._batched = 0
         self._block_reads = self._block_bytes = self._block_misses = 0
@@ -204,7 +217,9 @@ class StorePool:
     def replica_statistics(self) -> ReplicaStats:
         return ReplicaStats(reads=self._reads, fallbacks=self._fallbacks, hedges=self._hedges,
                             hedges_won=self._hedges_won, hedges_in_flight=self._hedging,
-                            hedges_skipped=self._hedges_skipped, repairs_dropped=self._repairs_dropped,
+                            hedges_skipped=self._hedges_skipped, hedges_over_budget=self._hedges_over_budget,
+                            hedge_tokens=self._hedge_budget.statistics().tokens,
+                            repairs_dropped=self._repairs_dropped,
                             touched=self._touched, renewed=self._renewed, explored=self._explored,
                             background_puts=self._bg_puts,
                             background_bytes=self._bg_bytes, background_done=self._bg_done,
@@ -274,6 +289,7 @@ class StorePool:
             self._went_down.set()
 
     def _answered(self, name: str) -> None:
+        self._last_answer[name] = trio.current_time()
         h = self._health[name]
         h.in_a_row = 0
         if not h.up:
@@ -645,6 +661,8 @@ class StorePool:
         running: dict[str, float] = {}          # replica -> when its read started
         queued: dict[str, float] = {}           # replica -> the wait its queue explained at the start
         hedged: set[str] = set()
+        paid: set[str] = set()                  # hedges the budget paid for (refunded if they win)
+        held_back = False
 
         async def attempt(name: str) -> None:
             t0 = trio.current_time()
@@ -707,8 +725,11 @@ class StorePool:
                         if ok:
                             self._latency[name].append(took)
                             self._wins[name].append(took)
+                            self._hedge_budget.earn()
                             if name in hedged:
                                 self._hedges_won += 1
+                            if name in paid:
+                                self._hedge_budget.refund()
                             for slow, since in running.items():
                                 # A loser took longer than this, by how much nobody knows: counted
                                 # twice over, so a straggler sinks faster than a store that lost once
@@ -737,9 +758,25 @@ class StorePool:
                     nxt = next_store()
                     if nxt is None:
                         more = False
-                    else:
-                        start(nxt, hedge=True)
-                        newest = nxt
+                        continue
+                    now, deadline = trio.current_time(), running[newest] + self.config.hedge_max
+                    # Past hedge_max, with its store silent since it started, a read may have hung: it
+                    # is hedged whatever the budget. (A store that answers other reads meanwhile is
+                    # busy, not hung: on a saturated link every read may wait that long.)
+                    overdue = now >= deadline and self._last_answer[newest] <= running[newest]
+                    if not overdue and not self._hedge_budget.spend():
+                        # Hedges have lost lately: look again after another hedge delay.
+                        ranked.appendleft(nxt)
+                        self._hedges_over_budget += not held_back
+                        held_back = True
+                        hold = now + max(self._hedge_after(newest), HELD_BACK_MIN)
+                        if now < deadline:
+                            hold = min(hold, deadline)
+                        continue
+                    if not overdue:
+                        paid.add(nxt)
+                    start(nxt, hedge=True)
+                    newest = nxt
         finally:
             self._hedging -= len(hedged)
         assert last is not None           # every read that left `running` failed (a success returned)

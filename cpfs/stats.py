@@ -129,8 +129,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                      f"{lr['shared_got']} taken in {lr['shared_gets']} gets, "
                      f"{lr['shared_puts']} puts, {lr['shared_errors']} errors")
     batched = f" ({r['batched']} in {r['batch_reads']} batches)" if r.get("batch_reads") else ""
+    held = f", {r['hedges_over_budget']} held back by the budget" if r.get("hedges_over_budget") else ""
     lines.append(f"replicas: {r['reads']} reads{batched}, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
-                 f"({r['hedges_won']} won), {r['repairs_dropped']} repairs dropped")
+                 f"({r['hedges_won']} won{held}), {r['repairs_dropped']} repairs dropped")
     m = now["mount"]
     lines.append(f"mount: {m['files']} files, {m['open_handles']} open handles, {m['writing']} being written")
     if h := now.get("holds"):

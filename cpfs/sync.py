@@ -3,6 +3,8 @@
 - `fan_out`: one call per item, all at once, every outcome collected (replicated puts, listings).
 - `quorum`: fan_out that succeeds when at least `need` calls did (a chunk or manifest put).
 - `SingleFlight`: concurrent callers of the same key share one call (a chunk uploaded once).
+- `Budget`: extra work that may not pay off (hedged reads) allowed as a fraction of the useful work,
+  given back when it does pay off.
 
 Each states its invariants where it is defined; none hides a task beyond the caller's lifetime.
 """
@@ -128,3 +130,53 @@ class SingleFlight(Generic[K, V]):
         finally:
             del self._flights[key]
             flight.done.set()
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetStats:
+    tokens: float        # what may be spent now (at most `burst`)
+    spent: int           # spends allowed
+    refunded: int        # ... given back because they paid off
+    denied: int          # spends refused: no token left
+
+
+class Budget:
+    """Tokens for extra work that pays off only sometimes: useful work earns `ratio` of a token
+    (`earn`), the extra work costs one (`spend`), and extra work that paid off gives it back (`refund`).
+
+    Why (hedged reads, cpfs/pool.py): a hedge pays off only when the replicas are slow independently.
+    Stores that share a bottleneck (folders on one disk, buckets behind one gateway or link) are slow
+    together: a hedge then queues behind the read it meant to overtake, loses, and adds its bytes to the
+    queue, which makes more reads slow. A budget bounds that at `ratio` of the reads (the extra load
+    that hedging at the p95 is meant to add: "The Tail at Scale"; gRPC throttles retries and hedges
+    with the same kind of token bucket), while hedges that win, as against a straggler, cost nothing.
+
+    Invariant: the extra work that did not pay off is at most `burst` + `ratio` x the earns. Not
+    thread-safe: the event loop's.
+    """
+
+    def __init__(self, ratio: float, burst: float) -> None:
+        self.ratio = ratio
+        self.burst = burst
+        self._tokens = burst            # full at the start: the first slow reads need no history
+        self._spent = self._refunded = self._denied = 0
+
+    def statistics(self) -> BudgetStats:
+        return BudgetStats(tokens=self._tokens, spent=self._spent, refunded=self._refunded, denied=self._denied)
+
+    def earn(self) -> None:
+        self._tokens = min(self.burst, self._tokens + self.ratio)
+
+    def spend(self) -> bool:
+        """Take a token if there is one; False (counted as denied) if not."""
+        if self._tokens < 1:
+            self._denied += 1
+            return False
+        self._tokens -= 1
+        self._spent += 1
+        return True
+
+    def refund(self) -> None:
+        """A spend paid off: its token back."""
+        self._tokens = min(self.burst, self._tokens + 1)
+        self._refunded += 1

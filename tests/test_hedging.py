@@ -19,8 +19,9 @@ from cpfs import chunk as chunkfmt
 from cpfs.config import parse_config
 from cpfs.errors import NoSuchObject
 from cpfs.manifest import ChunkEntry
-from cpfs.pool import StorePool
-from cpfs.store import FaultyStore, ObjectInfo, Store, ThrottledStore
+from cpfs.pool import HEDGE_RATIO, StorePool
+from cpfs.store import FaultyStore, Link, ObjectInfo, Store, ThrottledStore
+from cpfs.sync import Budget
 
 
 class MemoryStore(Store):
@@ -77,8 +78,9 @@ def setup(slow_latency: float, hang: bool = False, hedges: int = 8, chunks: int 
     return pool, entries, payloads
 
 
-def setup_stores(slow_latency: float, hang: bool = False, hedges: int = 8, chunks: int = 200):
-    """setup(), and the three stores (wrappers whose knobs a test may turn)."""
+def setup_stores(slow_latency: float, hang: bool = False, hedges: int = 8, chunks: int = 200,
+                 pool_args: dict | None = None):
+    """setup(), and the three stores (wrappers whose knobs a test may turn); `pool_args` for StorePool."""
     config = parse_config('replicas = 2\n[store_defaults]\ntimeout = "30s"\nhedge_min = "10ms"\n'
                           f'hedge_max = "500ms"\nhedges = {hedges}\n'
                           + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(3)),
@@ -94,7 +96,7 @@ def setup_stores(slow_latency: float, hang: bool = False, hedges: int = 8, chunk
         payloads.append(data)
     faulty = FaultyStore(ThrottledStore(mem[0], latency=slow_latency), hang=hang)
     stores = [faulty, ThrottledStore(mem[1], latency=0.005), ThrottledStore(mem[2], latency=0.005)]
-    return StorePool(config, stores=stores), entries, payloads, stores
+    return StorePool(config, stores=stores, **(pool_args or {})), entries, payloads, stores
 
 
 async def load(pool: StorePool, entries, payloads, parallel: int = 8) -> float:
@@ -192,3 +194,61 @@ async def test_reads_queued_on_saturated_links_are_not_hedged(clock) -> None:
     print(f"saturated links: {took:.2f} s for {links:.2f} s of link time, {s.hedges} hedges of {s.reads} reads")
     assert s.hedges <= 0.08 * s.reads, s            # measured 10 of 210 (37 of 237 before)
     assert took <= 1.12 * links, (took, links)      # measured 1.05x (1.19x before)
+
+
+def shared_link(chunks: int = 300, size: int = 60_000):
+    """Three stores behind one 3 MB/s link (folders on one disk, buckets behind one gateway), each chunk on
+    two of them, as FaultyStores (knobs) over ThrottledStores; and the link's time for every byte once."""
+    config = parse_config('replicas = 2\n[store_defaults]\ntimeout = "30s"\nhedge_min = "10ms"\n'
+                          'hedge_max = "500ms"\n'
+                          + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(3)),
+                          "shared.toml", Path("/nonexistent"))
+    mem = [MemoryStore(f"s{i}") for i in range(3)]
+    entries, payloads = [], []
+    for i in range(chunks):
+        data = os.urandom(size)
+        enc = chunkfmt.encode(data)
+        pair = ((0, 1), (1, 2), (0, 2))[i % 3]
+        for j in pair:
+            mem[j].objects[chunkfmt.chunk_key(enc.digest)] = enc.blob
+        entries.append(ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(f"s{j}" for j in pair)))
+        payloads.append(data)
+    link = Link(bandwidth=3_000_000.0)
+    stores = [FaultyStore(ThrottledStore(m, latency=0.005, link=link)) for m in mem]
+    return StorePool(config, stores=stores), entries, payloads, stores, chunks * len(enc.blob) / link.bandwidth
+
+
+@pytest.mark.parametrize("parallel", [16, 32])
+async def test_stores_slow_together_are_not_flooded_with_hedges(clock, parallel: int) -> None:
+    """Stores behind one link are slow together: a read there waits for the reads queued on the other
+    stores too, which its own store's queue does not explain, so reads pass their hedge delay; and the
+    hedge, on the same link, queues behind the read it meant to overtake. Every hedge loses and adds its
+    bytes to the queue. Hedges are paid from a budget that answered reads fill (HEDGE_RATIO each) and only
+    won hedges refill: here they stay within it. Before the budget: 283 hedges for 300 chunks, none won,
+    and the load took 1.90x the link's time for the bytes (16 reads at once). With 32, reads wait past
+    hedge_max (~0.64 s): their stores answer other reads meanwhile, so they are busy, not hung, and
+    are not hedged whatever the budget (216 hedges and 1.59x when every read past hedge_max was)."""
+    pool, entries, payloads, _, link_time = shared_link()
+    took = await load(pool, entries, payloads, parallel=parallel)
+    s = pool.replica_statistics()
+    print(f"shared link: {took:.2f} s for {link_time:.2f} s of link time, {s.hedges} hedges of {s.reads} reads")
+    assert s.hedges_won == 0                                   # they cannot win here
+    assert 1 <= s.hedges <= 8 + HEDGE_RATIO * len(entries) + 1, s     # `hedges`, then what reads earned
+    assert s.hedges_over_budget > 0, s
+    assert took <= 1.1 * link_time, (took, link_time)          # measured 1.03x (16), 1.07x (32)
+
+
+async def test_a_read_on_a_silent_store_is_hedged_at_hedge_max_whatever_the_budget(clock) -> None:
+    """A read whose store has answered nothing for hedge_max may have hung: it is hedged even with the
+    budget spent (here one that nothing refills), so a hang costs hedge_max per read, not the store's
+    30 s timeout."""
+    spent = Budget(ratio=0.0, burst=1.0)
+    assert spent.spend() and not spent.spend()
+    pool, entries, payloads, stores = setup_stores(slow_latency=0.005, pool_args={"hedge_budget": spent})
+    await load(pool, entries[:20], payloads[:20], parallel=1)     # latencies known: hedge delays of ~10 ms
+    stores[0].hang = True
+    took = await load(pool, entries[20:40], payloads[20:40], parallel=1)
+    s = pool.replica_statistics()
+    assert s.hedges_won >= 1 and s.hedges_over_budget >= 1, s
+    assert spent.statistics().tokens == 0.0                  # none of those hedges was paid for
+    assert took <= 20 * 0.5 + 1, took                        # at most hedge_max per read

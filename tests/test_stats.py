@@ -111,6 +111,9 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     assert "1 waiting for the mount to be idle, 4 given up" in render(now)
     now["replicas"].update(reads=12, batch_reads=2, batched=9)
     assert "replicas: 12 reads (9 in 2 batches)," in render(now, before)
+    assert "held back" not in render(now)
+    now["replicas"].update(hedges=5, hedges_over_budget=7)
+    assert "5 hedges (0 won, 7 held back by the budget)" in render(now)
     assert "read buffers" not in render(now)
     now["buffers"] = {"buffers": 26, "bytes": 130 * MiB, "keep": 128 * MiB, "reused": 259, "larger": 223,
                       "allocated": 27}

@@ -463,7 +463,8 @@ async def test_open_store_builds_the_stack(tmp_path: Path) -> None:
                        'latency = "1ms"\ntimeout = "250ms"\n', "test.toml", tmp_path)
     a, b, c = (open_store(s) for s in cfg.stores)
     assert isinstance(a, DirectoryStore) and a.root == tmp_path / "a"
-    assert isinstance(b, ThrottledStore) and b.latency == 0.005 and b.bandwidth == 300 * 1024**2
+    assert isinstance(b, ThrottledStore) and b.latency == 0.005
+    assert b.link is not None and b.link.bandwidth == 300 * 1024**2
     assert isinstance(b.inner, DirectoryStore) and b.inner.limiter.total_tokens == 3
     assert isinstance(c, FaultyStore) and (c.error_rate, c.corrupt_rate, c.down, c.hang) == (0.25, 0.5, False, False)
     assert isinstance(c.inner, ThrottledStore) and isinstance(c.innermost(), DirectoryStore)

@@ -5,7 +5,7 @@ import pytest
 import trio
 import trio.testing
 
-from cpfs.sync import SingleFlight, fan_out, quorum
+from cpfs.sync import Budget, SingleFlight, fan_out, quorum
 
 
 class Refused(Exception):
@@ -123,3 +123,20 @@ async def test_single_flight_shares_failures_and_survives_a_cancelled_leader() -
         await trio.testing.wait_all_tasks_blocked()
         leader_scope.cancel()
     assert got == [7] and flights.statistics().calls == 3    # the failing one, the cancelled one, the waiter's
+
+
+def test_budget_bounds_what_does_not_pay_off_and_refunds_what_does() -> None:
+    b = Budget(ratio=0.25, burst=2)
+    assert b.spend() and b.spend() and not b.spend()           # full at the start: the burst
+    for _ in range(3):
+        b.earn()
+    assert not b.spend()                                       # 0.75 of a token: not one yet
+    b.earn()
+    assert b.spend() and not b.spend()                         # four earns, one spend
+    b.refund()                                                 # it paid off: the token back
+    assert b.spend()
+    for _ in range(100):
+        b.earn()
+    assert b.statistics().tokens == 2                          # never beyond the burst
+    s = b.statistics()
+    assert (s.spent, s.refunded, s.denied) == (4, 1, 3)

@@ -2,7 +2,7 @@
 
     MeteredStore          (added by the pool: counts, and feeds replica ranking)
       FaultyStore         (error_rate, corrupt_rate, down, hang: drills, off by default)
-        ThrottledStore    (latency, bandwidth: a simulated remote link)
+        ThrottledStore    (latency, bandwidth: a simulated remote link, a `Link` several may share)
           DirectoryStore | S3Store     (the kind, chosen by the URL scheme: registry.py)
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from .directory import DirectoryStore
 from .faulty import FaultStats, FaultyStore
 from .metered import MeteredStore, StoreStats
 from .registry import load as load_kind
-from .throttled import ThrottledStore
+from .throttled import Link, ThrottledStore
 
-__all__ = ["ObjectInfo", "Store", "StoreWrapper", "DirectoryStore", "ThrottledStore", "FaultyStore", "FaultStats",
-           "MeteredStore", "StoreStats", "open_store"]
+__all__ = ["ObjectInfo", "Store", "StoreWrapper", "DirectoryStore", "Link", "ThrottledStore", "FaultyStore",
+           "FaultStats", "MeteredStore", "StoreStats", "open_store"]
 
 
 def open_store(cfg: StoreConfig) -> Store:

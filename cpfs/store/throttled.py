@@ -1,11 +1,14 @@
 """A wrapper that makes a store behave like a remote one: per-request latency, per-store bandwidth.
 
 Used by tests and benchmarks (`latency`/`bandwidth` keys of a [[store]]) so that the readahead
-scheduler's parallelism shows on one machine. Bandwidth is a shared link: transfers queue on it.
+scheduler's parallelism shows on one machine. Bandwidth is a shared link: transfers queue on it, and
+several stores may share one `Link` (folders on one disk, buckets behind one gateway): then they are
+slow together, which is what hedged reads must not make worse (cpfs/pool.py, tests/test_hedging.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import trio
@@ -15,20 +18,27 @@ from .base import ObjectInfo, Sized, Store, StoreWrapper
 T = TypeVar("T")
 
 
+@dataclass
+class Link:
+    """A link's bandwidth (bytes per second) and when it is next free: what transfers queue on."""
+    bandwidth: float
+    free_at: float = 0.0
+
+
 class ThrottledStore(StoreWrapper):
-    def __init__(self, inner: Store, latency: float = 0.0, bandwidth: float | None = None) -> None:
+    def __init__(self, inner: Store, latency: float = 0.0, bandwidth: float | None = None,
+                 link: Link | None = None) -> None:
+        """`bandwidth` gives the store a link of its own; `link` puts it on one that others share."""
         super().__init__(inner)
         self.latency = latency
-        self.bandwidth = bandwidth
-        self._link_free_at = 0.0
+        self.link = link if link is not None else Link(bandwidth) if bandwidth else None
 
     async def _delay(self, start: float, nbytes: int) -> None:
         """Sleep until `latency` after the request's `start`, and until `nbytes` have crossed the link."""
         done = start + self.latency
-        if self.bandwidth:
-            begin = max(trio.current_time(), self._link_free_at)
-            self._link_free_at = begin + nbytes / self.bandwidth
-            done = max(done, self._link_free_at)
+        if self.link is not None:
+            self.link.free_at = max(trio.current_time(), self.link.free_at) + nbytes / self.link.bandwidth
+            done = max(done, self.link.free_at)
         await trio.sleep_until(done)
 
     async def get(self, key: str) -> bytes:
