@@ -227,16 +227,21 @@ async def test_stores_slow_together_are_not_flooded_with_hedges(clock, parallel:
     hedge, on the same link, queues behind the read it meant to overtake. Every hedge loses and adds its
     bytes to the queue. Hedges are paid from a budget that answered reads fill (HEDGE_RATIO each) and only
     won hedges refill: here they stay within it. Before the budget: 283 hedges for 300 chunks, none won,
-    and the load took 1.90x the link's time for the bytes (16 reads at once). With 32, reads wait past
-    hedge_max (~0.64 s): their stores answer other reads meanwhile, so they are busy, not hung, and
-    are not hedged whatever the budget (216 hedges and 1.59x when every read past hedge_max was)."""
+    and the load took 1.90x the link's time for the bytes (16 reads at once). With 16 the budget denies
+    0-2 hedges (the first reads spend its burst), which is enough: a denied hedge adds no bytes to the
+    queue, so later reads stay within their hedge delays (275 hedges and 1.87x with an endless budget,
+    the same code; CI once saw none denied, so the count is not asserted there). With 32, reads wait
+    past hedge_max (~0.64 s): their stores answer other reads meanwhile, so they are busy, not hung, and
+    are not hedged whatever the budget (216 hedges and 1.59x when every read past hedge_max was; 223 and
+    1.61x with an endless budget)."""
     pool, entries, payloads, _, link_time = shared_link()
     took = await load(pool, entries, payloads, parallel=parallel)
     s = pool.replica_statistics()
     print(f"shared link: {took:.2f} s for {link_time:.2f} s of link time, {s.hedges} hedges of {s.reads} reads")
     assert s.hedges_won == 0                                   # they cannot win here
     assert 1 <= s.hedges <= 8 + HEDGE_RATIO * len(entries) + 1, s     # `hedges`, then what reads earned
-    assert s.hedges_over_budget > 0, s
+    if parallel == 32:
+        assert s.hedges_over_budget > 100, s                   # measured 257
     assert took <= 1.1 * link_time, (took, link_time)          # measured 1.03x (16), 1.07x (32)
 
 
