@@ -204,6 +204,7 @@ def case_loads(ctx: Ctx) -> list[Row]:
     cpu: list[float] = []
     fetched: list[float] = []
     rss: list[float] = []
+    fresh_cpu: list[float] = []
     for rnd in range(ctx.repeat):
         d = timed_load(ctx.pt, cold=True, touch=ctx.touch)
         ctx.check("direct cold", d.fingerprints)
@@ -232,7 +233,9 @@ def case_loads(ctx: Ctx) -> list[Row]:
         # it means the remote case's stores (in memory, tmpfs) without their throttle.
         if mem is not None:
             with ctx.mount(mem, f"loads fresh {rnd + 1}") as m:
+                c0 = cpu_seconds(m.pid)
                 t[FRESH].append(timed_load(m.path / DEST_PT, cold=False, touch=ctx.touch, fingerprint=False).seconds)
+                fresh_cpu.append(cpu_seconds(m.pid) - c0)
         progress("loads", rnd, t)
     gib = ctx.size / GiB
 
@@ -246,7 +249,8 @@ def case_loads(ctx: Ctx) -> list[Row]:
             row("cpfs cold", "direct cold", 0.9, **{"CPU-s/GiB": f"{c / gib:.2f}" if c is not None else "",
                                                     "fetched/size": f"{med(fetched) / ctx.size:.2f}",
                                                     "daemon RSS peak": human(med(rss))}),
-            *([row(FRESH, "direct warm", 0.8)] if mem is not None else []),
+            *([row(FRESH, "direct warm", 0.8, **{"CPU-s/GiB": f"{med(fresh_cpu) / gib:.2f}"})]
+              if mem is not None else []),
             row("cpfs warm", "direct warm", 0.95),
             row("direct warm mmap", "direct warm mmap", None), row("cpfs warm mmap", "direct warm mmap", 0.95),
             row("direct warm safetensors", "direct warm safetensors", None),

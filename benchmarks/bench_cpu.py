@@ -170,11 +170,17 @@ class Passthrough:
             self.proc.wait()
 
 
+def py_spy() -> str | None:
+    """The py-spy executable: on PATH or beside this python (a venv's bin)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
 class Profiler:
     """py-spy record --nonblocking on a pid, collapsed stacks ("raw") into `out`."""
 
     def __init__(self, pid: int, out: Path) -> None:
-        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        exe = py_spy() or "py-spy"
         self.out = out
         # --gil: only the thread holding the GIL is sampled, i.e. Python code running, not threads
         # waiting in a lock, a syscall or epoll (which py-spy would otherwise count as busy).
@@ -383,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [s for s in args.shapes if s not in SHAPES]:
         p.error(f"unknown shape(s) {bad}: choose from {SHAPES}")
     args.repeat = max(1, args.repeat)
+    if args.profile and py_spy() is None:       # found out before the rounds, not after them
+        p.error("--profile needs py-spy: pip install py-spy")
     try:
         return run(args)
     except BenchError as e:
