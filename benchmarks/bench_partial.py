@@ -36,7 +36,7 @@ mount's statistics (`.cpfs-stats`), before and after the child. The target: fetc
 chunk per range boundary (a run of adjacent read bytes has two boundaries).
 
     python -m benchmarks.bench_partial [--size 512MiB] [--latency 5ms --bandwidth 400MiB/s] [--cases ...]
-                                       [--rank N] [--declare] [--learn [--another-host]]
+                                       [--layers 16] [--rank N] [--declare] [--learn [--another-host]]
 """
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ PAGE = 4096
 # ---------------------------------------------------------------------------------------------------
 # the checkpoint
 
-def shapes(dim: int) -> list[tuple[str, tuple[int, ...]]]:
+def shapes(dim: int, layers: int = LAYERS) -> list[tuple[str, tuple[int, ...]]]:
     ffn = 64 * max(1, round(dim * 8 / 3 / 64))
     out = [("tok_embeddings.weight", (VOCAB, dim))]
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"layers.{i}."
         out.append((p + "attention_norm.weight", (dim,)))
         out += [(p + f"attention.{w}.weight", (dim, dim)) for w in ("wq", "wk", "wv", "wo")]
@@ -86,9 +86,9 @@ def shapes(dim: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def nbytes_for(dim: int) -> int:
+def nbytes_for(dim: int, layers: int = LAYERS) -> int:
     total = 0
-    for _, shape in shapes(dim):
+    for _, shape in shapes(dim, layers):
         n = 1
         for d in shape:
             n *= d
@@ -96,13 +96,13 @@ def nbytes_for(dim: int) -> int:
     return total
 
 
-def build(size: int) -> dict[str, Any]:
+def build(size: int, layers: int = LAYERS) -> dict[str, Any]:
     import torch
 
-    dim = min(range(64, 8193, 64), key=lambda d: abs(nbytes_for(d) - size))
+    dim = min(range(64, 8193, 64), key=lambda d: abs(nbytes_for(d, layers) - size))
     g = torch.Generator().manual_seed(0)
     model, state = {}, {}
-    for i, (name, shape) in enumerate(shapes(dim)):
+    for i, (name, shape) in enumerate(shapes(dim, layers)):
         dtype = torch.bfloat16 if len(shape) == 2 else torch.float32
         model[name] = torch.randn(shape, generator=g).to(dtype)
         state[i] = {"step": torch.tensor(100.0), "exp_avg": torch.randn(shape, generator=g) * 1e-3,
@@ -119,19 +119,19 @@ def flatten(sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def make_files(size: int) -> dict[str, Path]:
-    """`.pt` and `.safetensors` of the same training checkpoint, generated once per size."""
+def make_files(size: int, layers: int = LAYERS) -> dict[str, Path]:
+    """`.pt` and `.safetensors` of the same training checkpoint, generated once per size and layer count."""
     import torch
     from safetensors.torch import save_file
 
-    tag = human(size).replace(" ", "").replace(".00", "")
+    tag = human(size).replace(" ", "").replace(".00", "") + (f"_{layers}L" if layers != LAYERS else "")
     paths = {"pt": DATA / f"train_{tag}.pt", "safetensors": DATA / f"train_{tag}.safetensors",
              "dcp": DATA / f"train_{tag}.dcp"}
     if all(p.exists() for p in paths.values()) and (paths["dcp"] / ".metadata").exists():
         return paths
     DATA.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    sd = build(size)
+    sd = build(size, layers)
     torch.save(sd, paths["pt"])
     save_file({k: v.contiguous() for k, v in flatten(sd).items()}, str(paths["safetensors"]))
     remove_tree(paths["dcp"])
@@ -167,12 +167,14 @@ def wanted(case: str, names: list[str]) -> list[str]:
     if case == "weights":
         return [n for n in names if n.startswith("model.")]
     if case == "stage":
-        per = LAYERS // STAGES
-        layers = {f"layers.{i}." for i in range(STAGE * per, (STAGE + 1) * per)}
+        count = len({n.split(".")[2] for n in names if n.startswith("model.layers.")})   # --layers
+        per = max(1, count // STAGES)
+        first = min(STAGE * per, count - per)
+        layers = {f"layers.{i}." for i in range(first, first + per)}
         model = [n for n in names if n.startswith("model.") and any(n[6:].startswith(x) for x in layers)]
         # Optimizer state i belongs to the model's parameter i (build()), whatever order `names` lists
         # them in: a safetensors file lists its keys by name, its index by offset, neither in model order.
-        order = [n for n, _ in shapes(64)]
+        order = [n for n, _ in shapes(64, count)]
         ids = {str(order.index(n[6:])) for n in model}
         return model + [n for n in names if n.startswith("optimizer.state.") and n.split(".")[2] in ids]
     return list(names)
@@ -375,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learn", action="store_true",
                    help="also run the weights, stage and slice cases a second time through a mount that learned "
                         "from the first")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help=f"transformer layers of the checkpoint (default {LAYERS}); fewer makes larger tensors of the "
+                        "same size (at 1GiB, 16 layers: matrices of 0.8-4.2 MiB, a rank's 1/8 slices of 0.1-0.5 MiB; "
+                        "2 layers: 4.5-24 MiB, slices of 0.6-3 MiB)")
     p.add_argument("--rank", type=int, default=RANK, choices=range(RANKS),
                    help=f"the slice case's rank of {RANKS} (default {RANK}; rank 0's slices start at tensor starts)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -389,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from cpfs.tensor_index import index_file
 
-    paths = make_files(args.size)
+    paths = make_files(args.size, args.layers)
     work = Path(tempfile.mkdtemp(prefix="cpfs-partial-", dir=args.workdir or "/tmp"))
     cfg = write_config(work / "cfg", args.latency, args.bandwidth)
     learn_cfg = write_config(work / "cfg", args.latency, args.bandwidth, learn=True)

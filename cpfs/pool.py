@@ -120,7 +120,7 @@ class ReplicaStats:
     background_waits: int     # writes that waited for room (BACKGROUND_BYTES/WRITES) before returning
     batch_reads: int = 0      # batch requests of fetch_chunks (one store, several chunks)...
     batched: int = 0          # ... and the chunks they asked for (counted in `reads` too)
-    block_reads: int = 0      # ranged reads of a raw chunk's blocks (fetch_blocks), one replica each
+    block_reads: int = 0      # ranged reads of a raw chunk's blocks (fetch_blocks: lost pages, parts for slices)
     block_bytes: int = 0      # ... bytes they brought that matched their block checks
     block_misses: int = 0     # ... that failed or did not match (the caller read the whole chunk)
 

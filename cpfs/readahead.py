@@ -57,6 +57,15 @@ pressure) fetches only the blocks around them, checked against the manifest's bl
 (StorePool.fetch_blocks), when the daemon no longer holds their chunk; the chunk itself is loaded into
 the cache later, once no read has come for REFILL_IDLE (`Scheduler.run`), for the pages lost beside them.
 
+A reader that has shown it reads parts of tensors (two landings at the same fraction: a rank's row slice)
+gets *parts* of chunks, not whole chunks: runs of blocks, fetched the same way and checked against the
+same block checks, for what it reads and for the matching slices it will read next. With chunks larger
+than a slice, whole chunks moved several times the slice (a 1 MiB chunk for a 0.3 MiB slice); parts move
+the slice rounded out to blocks. A part is held in the cache's budget until read or passed, like a
+prefetched chunk, and never pushed to the kernel: the reader reads it through us, which also tells us
+where it is. A chunk whose parts fail to fetch is read whole from then on. A reader judged to read whole
+tensors again (it read on from its landing to the end of a tensor) goes back to whole chunks.
+
 Each reader counts bytes read, bytes fetched for it, and prefetched bytes used and wasted (`FileStats`,
 in `Scheduler.statistics().files`, open files and the last closed ones). "Used" means read through the
 daemon or passed by a later read of the same stream; a prefetched chunk the kernel served that the reader
@@ -75,6 +84,7 @@ from typing import Protocol
 import trio
 
 from .cache import ChunkCache
+from .chunk import BLOCK
 from .config import Config
 from .errors import CpfsError
 from .manifest import ChunkEntry, Manifest
@@ -147,6 +157,8 @@ class SchedulerStats:
     kernel_drops: int = 0            # times the kernel was found to have dropped pages pushed to it
     block_fetches: int = 0           # reads of pages the kernel lost, served by fetching their blocks
     block_bytes: int = 0             # ... bytes those fetches brought (in fetched_bytes too)
+    part_fetches: int = 0            # fetches of part of a chunk for a reader of slices (FileReader._read_parts)
+    part_bytes: int = 0              # ... bytes they brought (in fetched_bytes too)
     refilled: int = 0                # chunks of those loaded into the cache afterwards, when idle
     refill_queued: int = 0           # ... and waiting for the mount to be idle
     refill_skipped: int = 0          # ... and given up: the queue overflowed, the cache had no room, the
@@ -250,6 +262,7 @@ class Scheduler:
         self._inflight = self._peak = 0
         self._fetched = self._prefetched = self._used = self._wasted = 0
         self._block_fetches = self._block_bytes = 0
+        self._part_fetches = self._part_bytes = 0
         self._to_refill: OrderedDict[str, tuple[Manifest, int]] = OrderedDict()   # see run()
         self._refill_wake = trio.Event()
         self._last_read = -math.inf
@@ -338,7 +351,8 @@ class Scheduler:
             inflight=self._inflight, peak_inflight=self._peak, fetched_bytes=self._fetched,
             prefetched_bytes=self._prefetched, prefetch_used_bytes=self._used,
             prefetch_wasted_bytes=self._wasted, kernel_drops=drops, block_fetches=self._block_fetches,
-            block_bytes=self._block_bytes, refilled=self._refilled, refill_queued=len(self._to_refill),
+            block_bytes=self._block_bytes, part_fetches=self._part_fetches, part_bytes=self._part_bytes,
+            refilled=self._refilled, refill_queued=len(self._to_refill),
             refill_skipped=self._refill_skipped, files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
@@ -373,18 +387,23 @@ class Scheduler:
         return await self.cache.get(entry.digest, entry.raw_len, load, pin=pin, reserved=reserved)
 
     async def get_blocks(self, manifest: Manifest, i: int, start: int, end: int,
-                         owner: "FileReader | None" = None) -> tuple[int, bytes] | None:
+                         owner: "FileReader | None" = None, lost: bool = True) -> tuple[int, bytes] | None:
         """Raw bytes [start, end) of chunk i, with the rest of the blocks they lie in, fetched and
         checked without the rest of the chunk: (offset of the first byte in the chunk, bytes), or None
-        if that cannot be done (then `get_chunk`). Not cached: for pages the kernel lost."""
+        if that cannot be done (then `get_chunk`). Not cached: for pages the kernel lost (`lost`), and
+        for the part of a chunk a reader of slices reads (FileReader._read_parts)."""
         if self.fetch_blocks is None:
             return None
         entry = manifest.chunks[i]
         where = f"file {manifest.path} offset {manifest.offsets[i] + start} chunk {i} ({entry.digest[:16]})"
         got = await self.fetch_blocks(entry, start, end, where)
         if got is not None:
-            self._block_fetches += 1
-            self._block_bytes += len(got[1])
+            if lost:
+                self._block_fetches += 1
+                self._block_bytes += len(got[1])
+            else:
+                self._part_fetches += 1
+                self._part_bytes += len(got[1])
             self._fetched += len(got[1])
             if owner is not None:
                 owner.fetched += len(got[1])
@@ -452,6 +471,20 @@ class Scheduler:
         return out.outcomes(ks)
 
 
+@dataclass(eq=False)
+class _Part:
+    """Raw bytes [lo, hi) of one chunk (whole blocks), fetched without the rest of it for a reader of
+    slices (FileReader._read_parts)."""
+    lo: int
+    hi: int
+    rank: int                          # its tensor's place in loader order (-1: none)
+    prefetch: bool                     # fetched ahead of the reader (counted in prefetched bytes)
+    reserved: bool = False             # its bytes are reserved in the cache budget
+    data: bytes | memoryview | None = None    # once fetched; None after: not to be had alone
+    read: int = 0                      # bytes of it the reader has read
+    done: trio.Event = field(default_factory=trio.Event)
+
+
 @dataclass
 class _Batch:
     """Prefetches started together, fetched by one task (FileReader._start_prefetch)."""
@@ -517,6 +550,11 @@ class FileReader:
         self.inflight: set[int] = set()
         self.held: set[int] = set()         # prefetched, pinned, not pushed to the kernel
         self.pending: dict[int, int] = {}   # prefetched chunk -> bytes, not yet seen used
+        # parts of chunks, for a reader of slices (`_read_parts`)
+        self.parts: dict[int, list[_Part]] = {}     # chunk -> its parts fetched or in flight, by lo
+        self.whole_only: set[int] = set()           # chunks whose parts cannot be had alone
+        self.reach = 0                      # the furthest end of a read since the last landing
+        self.land = 0                       # ... and where that landing began
         # counters
         self.reads = self.read_bytes = self.lost_read_bytes = self.fetched = self.demand = 0
         self.prefetched = self.used = self.wasted = 0
@@ -577,6 +615,9 @@ class FileReader:
             for i in self.pinned:
                 self.sched.cache.unpin(self.m.chunks[i].digest)
             self.pinned.clear()
+            for i, parts in list(self.parts.items()):
+                for part in list(parts):
+                    self._drop_part(i, part)
             self.held.clear()
             self.marks.clear()
             wasted = sum(self.pending.values())
@@ -603,8 +644,8 @@ class FileReader:
 
     def _fill(self) -> None:
         """Start prefetches along the stream's order while the window and the cache budget have room."""
-        if self.window <= 0 or self._nursery is None:
-            return
+        if self.window <= 0 or self._nursery is None or self._slicing():
+            return                  # a reader of slices: the kernel's readahead and `_predict` lead
         order, pref = self.orders[self.k], self.pref[self.k]
         base = pref[self.last + 1]
         stop = min(self.limit, len(order))
@@ -849,7 +890,10 @@ class FileReader:
             for i in chunks:                        # the loader's metadata: read at any time, says nothing
                 self._seen(i)
             return
+        reach, self.reach = self.reach, max(self.reach, end)
         cont = self._continues(chunks)
+        if cont is not None and self._slicing() and offset > reach + self.slack:
+            cont = None                             # a reader of slices going past the kernel's readahead
         if cont is not None:
             k, q = cont
             pos, order = self.pos[k], self.orders[k]
@@ -923,7 +967,10 @@ class FileReader:
     def _read_to_end(self, offset: int, end: int, chunks: range) -> None:
         for t in self._units_in(offset, end):
             if t.last in chunks and t.first != t.last and end >= t.offset + t.length and self.mid is None:
-                self.whole = True                   # read a tensor of several chunks to its end
+                # A reader of slices reads every byte through us: its reads reach a tensor's end by the
+                # kernel's readahead past its slice, unless they began at the tensor's start.
+                if not self._slicing() or self.land <= t.offset + PAGE:
+                    self.whole = True               # read a tensor of several chunks to its end
 
     def _jump(self, offset: int, end: int, chunks: range) -> None:
         """The reader left the stream: judge what it skipped, then what its landing says."""
@@ -939,6 +986,7 @@ class FileReader:
         if self.slice_unit is not None and self.last_chunk is not None:
             u = self.slice_unit
             reached = self.m.offsets[self.last_chunk + 1] if self.last_chunk < len(self.m.chunks) else u.offset
+            reached = min(reached, self.reach)      # where the reads stopped, inside the chunk
             self.slice_len = max(0.0, min(1.0, (min(reached, u.offset + u.length) - u.offset) / u.length)
                                  - (self.slice_at or 0.0))
         here = self.pos[0][chunks[0]]
@@ -949,6 +997,7 @@ class FileReader:
         self.marker = self.batch_end = None
         self.k, self.run, self.window = 0, 0, 0
         self.from_head = False
+        self.land, self.reach = offset, end
         self.prev_unit = self._unit(offset)
         self.last = max(self.pos[0][c] for c in chunks)
         self.last_chunk = self.orders[0][self.last]
@@ -982,7 +1031,7 @@ class FileReader:
         self.slice_at, self.slice_unit = at, u
         if self.sliced:
             self.whole = False
-            self._predict(u, at)
+            self._predict(u, at, end)
         else:
             self.mid = u
 
@@ -999,23 +1048,176 @@ class FileReader:
             if hold and i in self.held:
                 self.batch_end = i
 
-    def _predict(self, u: Unit, at: float) -> None:
+    def _predict(self, u: Unit, at: float, after: int) -> None:
         """The reader reads the slice starting `at` through each tensor: fetch that slice of the next
-        few tensors in loader order, its first chunk held (the landing shows)."""
+        few tensors in loader order, its first chunk held (the landing shows). Where chunks can be read in
+        parts (`_slicing`), the slices alone, and the rest of this one (the reader is in it, up to `after`)."""
         rank = self._loader_rank.get(u)
         if rank is None:
             return
+        parts = self._slicing()
+        if parts:
+            self._drop_parts(rank)
+            self._prefetch_parts(after, u.offset + min(u.length, int((at + self.slice_len) * u.length)), rank)
         ahead = self.layout.loader_units[rank + 1:rank + 1 + SLICE_AHEAD]
-        for k in ahead:
+        for r, k in enumerate(ahead, rank + 1):
             v = self.layout.units[k]
             lo = v.offset + int(at * v.length)
             hi = max(lo + 1, v.offset + int((at + self.slice_len) * v.length))
+            if parts:
+                self._prefetch_parts(lo, min(hi, v.offset + v.length), r)
+                continue
             for j, i in enumerate(self.m.chunk_range(lo, min(hi, v.offset + v.length) - lo)):
                 if not self._may_prefetch(i) or self._take(i, hold=j == 0):
                     continue
                 if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
                     return
                 self._start_prefetch(i, hold=j == 0)
+
+    # -- parts of chunks, for a reader of slices ------------------------------------------------
+    def _slicing(self) -> bool:
+        """The reader reads parts of tensors and chunks can be read in parts: what it has not got of a
+        chunk is fetched as the blocks it reads (`_read_parts`), not as the whole chunk. A rank reading
+        its 1/8 row slice of each tensor through 4 MiB chunks otherwise moved 7x what it read."""
+        return self.whole is False and self.sched.fetch_blocks is not None
+
+    def _by_parts(self, i: int) -> bool:
+        return self._slicing() and i not in self.whole_only and not self._have(i)
+
+    def _rank_at(self, offset: int) -> int:
+        u = self._unit(offset)
+        return self._loader_rank.get(u, -1) if u is not None else -1
+
+    def _add_part(self, i: int, lo: int, hi: int, prefetch: bool, reserved: bool = False) -> _Part:
+        """Register the part of chunk i holding raw bytes [lo, hi), widened to whole blocks."""
+        lo, hi = lo // BLOCK * BLOCK, min(self.m.chunks[i].raw_len, -(-hi // BLOCK) * BLOCK)
+        part = _Part(lo, hi, self._rank_at(self.m.offsets[i] + lo), prefetch, reserved)
+        bisect.insort(self.parts.setdefault(i, []), part, key=lambda p: p.lo)
+        self.touched.add(i)
+        return part
+
+    def _cover(self, i: int, a: int, b: int) -> tuple[list[_Part], list[tuple[int, int]]]:
+        """The parts of chunk i that cover raw bytes [a, b) (fetched or in flight), and the gaps between."""
+        need: list[_Part] = []
+        gaps: list[tuple[int, int]] = []
+        pos = a
+        for part in self.parts.get(i, ()):
+            if part.lo >= b:
+                break
+            if part.hi <= pos or (part.done.is_set() and part.data is None):
+                continue
+            if part.lo > pos:
+                gaps.append((pos, part.lo))
+            need.append(part)
+            pos = part.hi
+            if pos >= b:
+                break
+        if pos < b:
+            gaps.append((pos, b))
+        return need, gaps
+
+    def _prefetch_parts(self, lo: int, hi: int, rank: int) -> None:
+        """Fetch the file's bytes [lo, hi) ahead as parts of their chunks, what no part covers yet. Chunks
+        that are here or cannot be had in parts are left to the reads."""
+        if self._nursery is None:
+            return
+        for i in self.m.chunk_range(lo, hi - lo) if hi > lo else ():
+            if not self._may_prefetch(i) or not self._by_parts(i):
+                continue
+            start = self.m.offsets[i]
+            _, gaps = self._cover(i, max(lo, start) - start, min(hi, self.m.offsets[i + 1]) - start)
+            for a, b in gaps:
+                size = min(self.m.chunks[i].raw_len, -(-b // BLOCK) * BLOCK) - a // BLOCK * BLOCK
+                if not self.sched.cache.reserve(size):
+                    return
+                part = self._add_part(i, a, b, prefetch=True, reserved=True)
+                self.prefetched += part.hi - part.lo
+                self.sched._prefetches += 1
+                self.sched._prefetched += part.hi - part.lo
+                self._nursery.start_soon(self._prefetch_part, i, part)
+
+    async def _prefetch_part(self, i: int, part: _Part) -> None:
+        try:
+            async with self.sched.limiter:
+                await self._fetch_part(i, part)
+        finally:
+            part.done.set()
+            if part.data is None:
+                self._drop_part(i, part)
+
+    async def _fetch_part(self, i: int, part: _Part) -> None:
+        """Fetch a registered part. One that cannot be had alone (no block checks, a copy stored lz4, a
+        replica that fails or is slow: StorePool.fetch_blocks) leaves its chunk to whole-chunk reads."""
+        try:
+            got = await self.sched.get_blocks(self.m, i, part.lo, part.hi, owner=self, lost=False)
+            if got is not None and got[0] == part.lo and len(got[1]) == part.hi - part.lo:
+                part.data = got[1]
+            else:
+                self.whole_only.add(i)
+        finally:
+            part.done.set()
+
+    async def _read_parts(self, i: int, a: int, b: int, fetch: bool) -> bytes | memoryview | None:
+        """Raw bytes [a, b) of chunk i from its parts, fetching what they lack if `fetch` (a demand
+        read: the blocks the kernel asked for); None if they cannot serve it (read the chunk)."""
+        need, gaps = self._cover(i, a, b)
+        if gaps and not fetch:
+            return None
+        fresh = [self._add_part(i, lo, hi, prefetch=False) for lo, hi in gaps]
+        if fresh:
+            self.demand += len(fresh)
+            self.sched._demand += len(fresh)
+            try:
+                if len(fresh) == 1:
+                    await self._fetch_part(i, fresh[0])
+                else:
+                    await fan_out(lambda part: self._fetch_part(i, part), fresh, catch=CpfsError)
+            finally:
+                for part in fresh:
+                    part.done.set()
+                    if part.data is None:
+                        self._drop_part(i, part)
+        for part in need:
+            await part.done.wait()
+        pieces: list[memoryview] = []
+        pos = a
+        for part in sorted([*need, *fresh], key=lambda p: p.lo):
+            if part.hi <= pos:
+                continue
+            if part.data is None or part.lo > pos:
+                return None
+            n = min(b, part.hi) - pos
+            pieces.append(memoryview(part.data)[pos - part.lo:pos - part.lo + n])
+            part.read += n
+            if part.prefetch:
+                self.used += n
+            pos += n
+            if part.read >= part.hi - part.lo:
+                self._drop_part(i, part)        # read through: the kernel has it
+            if pos >= b:
+                break
+        if pos < b:
+            return None
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def _drop_part(self, i: int, part: _Part) -> None:
+        parts = self.parts.get(i)
+        if parts is None or part not in parts:
+            return
+        parts.remove(part)
+        if not parts:
+            del self.parts[i]
+        if part.reserved:
+            part.reserved = False
+            self.sched.cache.release(part.hi - part.lo)
+        if part.prefetch and part.data is not None:
+            self.wasted += max(0, part.hi - part.lo - part.read)
+
+    def _drop_parts(self, rank: int) -> None:
+        """Drop the fetched parts of tensors before `rank` in loader order: the reader has passed them."""
+        for i, parts in list(self.parts.items()):
+            for part in [p for p in parts if p.rank < rank and p.done.is_set()]:
+                self._drop_part(i, part)
 
     def _watch(self, offset: int, end: int, chunks: range) -> None:
         """Tell the watcher of this open's first landing past the head, and of a landing outside what
@@ -1087,6 +1289,12 @@ class FileReader:
                 if got is not None:
                     bases[k], datas[k] = got
                     self.sched.refill_later(self.m, i)
+                    return
+            if i in self.parts or self._by_parts(i):
+                a = max(offset, start) - start
+                part = await self._read_parts(i, a, min(end, stop) - start, self._by_parts(i))
+                if part is not None:
+                    bases[k], datas[k] = a, part
                     return
             datas[k] = await self.sched.get_chunk(self.m, i, owner=self)
             if self.feeder is not None:

@@ -106,6 +106,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                      f"MiB of their blocks; {sc.get('refilled', 0)} of their chunks loaded into the cache since, "
                      f"{sc.get('refill_queued', 0)} waiting for the mount to be idle"
                      + (f", {sc['refill_skipped']} given up" if sc.get("refill_skipped") else ""))
+    if sc.get("part_fetches"):
+        lines.append(f"readers of slices: {sc['part_fetches']} parts of chunks fetched, "
+                     f"{sc['part_bytes'] / MiB:.1f} MiB")
     if dt:
         fetched = sum(s["bytes_read"] for s in now["stores"]) - sum(s["bytes_read"] for s in before["stores"])
         read = sc["read_bytes"] - before["scheduler"]["read_bytes"]

@@ -931,3 +931,74 @@ async def test_an_o_direct_reader_of_a_file_the_kernel_holds_gets_a_stream_and_l
     assert sorted(fetched(store, m)) == list(range(32)), "each chunk fetched once"
     assert store.peak >= 4 and st.demand_fetches <= 8 and took < 32 * store.latency / 2
     assert sched.cache.statistics().pinned == 0
+
+
+class SizedBlockStore(BlockStore):
+    """A BlockStore that records the bytes of each fetch: ("chunk" | "blocks", digest, bytes)."""
+
+    def __init__(self, latency: float = 0.008) -> None:
+        super().__init__(latency)
+        self.moved: list[tuple[str, str, int]] = []
+
+    async def fetch(self, entry: ChunkEntry, where: str) -> bytes:
+        data = await super().fetch(entry, where)
+        self.moved.append(("chunk", entry.digest, len(data)))
+        return data
+
+    async def fetch_blocks(self, entry: ChunkEntry, start: int, end: int, where: str) -> tuple[int, bytes] | None:
+        got = await super().fetch_blocks(entry, start, end, where)
+        if got is not None:
+            self.moved.append(("blocks", entry.digest, len(got[1])))
+        return got
+
+
+async def test_a_slice_reader_of_large_chunks_fetches_its_slices_not_their_chunks(autojump_clock):
+    """Rank 3 of 8 reads its eighth (two of a chunk's four blocks) of each tensor. Once its second
+    landing inside a tensor shows it reads parts of tensors, what it reads of a chunk is fetched as
+    those blocks (checked alone), not as the chunk, and the next tensors' slices arrive as blocks ahead
+    of it. The bytes are the file's."""
+    store = SizedBlockStore()
+    chunk, per, tensors = 4 * BLOCK, 4, 8
+    n = 2 + tensors * per
+    data = random.Random(5).randbytes(n * chunk)
+    entries = []
+    for i in range(n):
+        piece = data[i * chunk:(i + 1) * chunk]
+        store.blobs[chunk_hash(piece)] = piece
+        entries.append(ChunkEntry(chunk_hash(piece), chunk, chunk, "raw", ("s",)))
+    ts = tuple(TensorEntry(f"t{k}", "float32", (per * chunk // 4,), (1,), str(k), (1 + k * per) * chunk,
+                           per * chunk) for k in range(tensors))
+    records = (Record("archive/data.pkl", 0, chunk),) + tuple(
+        Record(f"archive/data/{k}", t.offset, t.length) for k, t in enumerate(ts))
+    index = TensorIndex("torch-zip", records, ts, file_size=n * chunk, directory_offset=(n - 1) * chunk)
+    m = Manifest("/f", len(data), 0, 0o644, chunk, tuple(entries), 1, index)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(64 * chunk), store.fetch, config(cache="64MiB", max=16 * chunk),
+                      on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
+    async with trio.open_nursery() as nursery:
+        reader = await sched.open(nursery, m, index)
+        await trio.sleep(1)
+        waits = []
+        for t in index.tensors:
+            t0 = trio.current_time()
+            assert await read_tensor(kernel, reader, t, 3 / 8, 4 / 8, step=64 * 1024) == \
+                data[t.offset + 3 * t.length // 8:t.offset + 4 * t.length // 8]
+            waits.append(trio.current_time() - t0)
+            await trio.sleep(0.02)                 # the rank computes between tensors
+        stats = sched.statistics()
+        await reader.aclose()
+    where = {c.digest: i for i, c in enumerate(m.chunks)}
+    whole = sorted(where[d] for kind, d, _ in store.moved if kind == "chunk")
+    blocks = sum(size for kind, _, size in store.moved if kind == "blocks")
+    print(f"rank 3 of 8: chunks {whole}, {blocks // 1024} KiB of blocks; waits {[round(w * 1000) for w in waits]} ms")
+    slice_chunks = {1 + per * k + 1 for k in range(tensors)}      # 3/8..4/8 of a tensor: its second chunk
+    # The first landing is not yet known to be a slice: its chunk comes whole; the rest as blocks.
+    assert set(whole) - {0, n - 1} == {1 + 1} and len(whole) == len(set(whole))
+    assert blocks == (tensors - 1) * chunk // 2
+    assert stats.part_fetches >= tensors - 1 and stats.part_bytes == blocks
+    assert all(w == 0 for w in waits[3:])         # predicted: there before the reader came
+    assert not set(whole) & (slice_chunks - {2})
+    await trio.testing.wait_all_tasks_blocked()
+    assert sched.cache.room(64 * chunk)           # no pin, no reservation left behind
+    f = sched.statistics().files[0]
+    assert f.pattern == "slices" and f.prefetch_wasted_bytes == 0 and f.fetched_bytes == 3 * chunk + blocks

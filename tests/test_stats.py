@@ -107,6 +107,9 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     now["scheduler"].update(block_fetches=3, block_bytes=MiB, refilled=2, refill_queued=1)
     assert ("pages the kernel lost: 3 reads served from 1.0 MiB of their blocks; 2 of their chunks loaded into "
             "the cache since, 1 waiting for the mount to be idle") in render(now)
+    assert "readers of slices" not in render(now)
+    now["scheduler"].update(part_fetches=6, part_bytes=3 * MiB)
+    assert "readers of slices: 6 parts of chunks fetched, 3.0 MiB" in render(now)
     now["scheduler"].update(refill_skipped=4)
     assert "1 waiting for the mount to be idle, 4 given up" in render(now)
     now["replicas"].update(reads=12, batch_reads=2, batched=9)
