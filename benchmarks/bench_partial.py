@@ -319,6 +319,8 @@ class Result:
     touched: int               # bytes of the chunks the pages of the read ranges overlap
     hedges: int
     sched_fetched: int         # chunk bytes the scheduler fetched for this file's opens (no hedge copies)
+    asked: int                 # bytes the kernel asked the daemon for in reads of this file (its read-around too)
+    parts: int                 # bytes fetched as parts of chunks (a reader of slices), in sched_fetched too
     seconds: float
     files: list[dict[str, Any]]
     declared: bool = False     # the reader declared its tensors first (user.cpfs.prefetch)
@@ -339,12 +341,15 @@ def stats(mp: Path, cfg: Path) -> dict[str, Any]:
     return json.loads(cpfs("stats", str(mp), "--json", config=cfg).stdout)
 
 
-def write_config(folder: Path, latency: str | None, bandwidth: str | None, learn: bool = False) -> Path:
+def write_config(folder: Path, latency: str | None, bandwidth: str | None, learn: bool = False,
+                 read_ahead_kb: int | None = None) -> Path:
     """The stores' config; `learn`: a second config over the same stores whose mounts learn prefetch
     plans, kept in a staging folder of its own (the first has learning off)."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = ["replicas = 2", "", "[readahead]", f"learn = {'true' if learn else 'false'}", "",
              "[mount]", f'staging = "{folder / ("staging-learn" if learn else "staging")}"']
+    if read_ahead_kb is not None:
+        lines.append(f"read_ahead_kb = {read_ahead_kb}")
     for i in range(3):
         lines += ["", "[[store]]", f'name = "s{i}"', f'url = "stores/s{i}"']
         if latency:
@@ -381,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"transformer layers of the checkpoint (default {LAYERS}); fewer makes larger tensors of the "
                         "same size (at 1GiB, 16 layers: matrices of 0.8-4.2 MiB, a rank's 1/8 slices of 0.1-0.5 MiB; "
                         "2 layers: 4.5-24 MiB, slices of 0.6-3 MiB)")
+    p.add_argument("--read-ahead-kb", type=int,
+                   help="the mounts' kernel readahead ([mount] read_ahead_kb; default the config's, 1024)")
     p.add_argument("--rank", type=int, default=RANK, choices=range(RANKS),
                    help=f"the slice case's rank of {RANKS} (default {RANK}; rank 0's slices start at tensor starts)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -397,8 +404,9 @@ def run(args: argparse.Namespace) -> int:
 
     paths = make_files(args.size, args.layers)
     work = Path(tempfile.mkdtemp(prefix="cpfs-partial-", dir=args.workdir or "/tmp"))
-    cfg = write_config(work / "cfg", args.latency, args.bandwidth)
-    learn_cfg = write_config(work / "cfg", args.latency, args.bandwidth, learn=True)
+    ra = args.read_ahead_kb
+    cfg = write_config(work / "cfg", args.latency, args.bandwidth, read_ahead_kb=ra)
+    learn_cfg = write_config(work / "cfg", args.latency, args.bandwidth, learn=True, read_ahead_kb=ra)
     mp = work / "mnt"
     results: list[Result] = []
     try:
@@ -455,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
                              after["replicas"]["hedges"] - before["replicas"]["hedges"],
                              sum(f["fetched_bytes"] for f in after["scheduler"].get("files", [])
                                  if f["path"] == data),
+                             sum(f["read_bytes"] for f in after["scheduler"].get("files", []) if f["path"] == data),
+                             after["scheduler"]["part_bytes"] - before["scheduler"]["part_bytes"],
                              r["seconds"], after["scheduler"].get("files", []), bool(declare), learn)
                 results.append(res)
                 print(f"  {fmt:<11} {res.name:<16} read {human(res.read):>11} in {res.ranges:>3} ranges, fetched "
@@ -473,14 +483,15 @@ def report(results: list[Result]) -> None:
     print(f"\n== fetched from the stores vs read by the process; bound = 1.3 x read + one {human(CHUNK)} chunk "
           "per range boundary")
     print("fetched = the stores' bytes_read (hedged reads included); sched/read = chunk bytes the scheduler "
-          "fetched for the file (per-file statistics) / read")
+          "fetched for the file (per-file statistics) / read;\nasked/read = bytes the kernel asked the daemon for "
+          "(the reader's pages and the kernel's readahead around them, less what pushes gave it) / read")
     print("touched = bytes of the chunks the pages of the read ranges overlap (the least whole-chunk fetches can move)")
     print_table(["format", "case", "read", "ranges", "touched", "fetched", "fetched/read", "fetched/touched",
-                 "fetched/file", "fetched/bound", "target", "hedges", "sched/read", "seconds"],
+                 "fetched/file", "fetched/bound", "target", "hedges", "sched/read", "asked/read", "seconds"],
                 [[r.fmt, r.name, human(r.read), r.ranges, human(r.touched), human(r.fetched), f"{r.fetched / r.read:.2f}",
                   f"{r.fetched / r.touched:.2f}", f"{r.fetched / r.size:.2f}", f"{r.fetched / r.bound:.2f}",
                   "met" if r.fetched <= r.bound else "MISSED", r.hedges,
-                  f"{r.sched_fetched / r.read:.2f}", f"{r.seconds:.1f}"] for r in results])
+                  f"{r.sched_fetched / r.read:.2f}", f"{r.asked / r.read:.2f}", f"{r.seconds:.1f}"] for r in results])
     plain = {(r.fmt, r.case): r for r in results if not r.declared and not r.learned}
     for what, flag in (("declared prefetch (user.cpfs.prefetch)", "declared"),
                        ("learned prefetch (a second load, the mount having learned from the first)", "learned")):
