@@ -36,7 +36,7 @@ mount's statistics (`.cpfs-stats`), before and after the child. The target: fetc
 chunk per range boundary (a run of adjacent read bytes has two boundaries).
 
     python -m benchmarks.bench_partial [--size 512MiB] [--latency 5ms --bandwidth 400MiB/s] [--cases ...]
-                                       [--layers 16] [--rank N] [--declare] [--learn [--another-host]]
+                                       [--layers 16] [--read-ahead-kb N] [--slice-parts] [--rank N] [--declare] [--learn [--another-host]]
 """
 from __future__ import annotations
 
@@ -342,11 +342,12 @@ def stats(mp: Path, cfg: Path) -> dict[str, Any]:
 
 
 def write_config(folder: Path, latency: str | None, bandwidth: str | None, learn: bool = False,
-                 read_ahead_kb: int | None = None) -> Path:
+                 read_ahead_kb: int | None = None, slice_parts: bool = False) -> Path:
     """The stores' config; `learn`: a second config over the same stores whose mounts learn prefetch
     plans, kept in a staging folder of its own (the first has learning off)."""
     folder.mkdir(parents=True, exist_ok=True)
-    lines = ["replicas = 2", "", "[readahead]", f"learn = {'true' if learn else 'false'}", "",
+    lines = ["replicas = 2", "", "[readahead]", f"learn = {'true' if learn else 'false'}",
+             f"slice_parts = {'true' if slice_parts else 'false'}", "",
              "[mount]", f'staging = "{folder / ("staging-learn" if learn else "staging")}"']
     if read_ahead_kb is not None:
         lines.append(f"read_ahead_kb = {read_ahead_kb}")
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                         "2 layers: 4.5-24 MiB, slices of 0.6-3 MiB)")
     p.add_argument("--read-ahead-kb", type=int,
                    help="the mounts' kernel readahead ([mount] read_ahead_kb; default the config's, 1024)")
+    p.add_argument("--slice-parts", action="store_true",
+                   help="[readahead] slice_parts = true: readers of slices get parts of chunks (off by default)")
     p.add_argument("--rank", type=int, default=RANK, choices=range(RANKS),
                    help=f"the slice case's rank of {RANKS} (default {RANK}; rank 0's slices start at tensor starts)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -404,9 +407,9 @@ def run(args: argparse.Namespace) -> int:
 
     paths = make_files(args.size, args.layers)
     work = Path(tempfile.mkdtemp(prefix="cpfs-partial-", dir=args.workdir or "/tmp"))
-    ra = args.read_ahead_kb
-    cfg = write_config(work / "cfg", args.latency, args.bandwidth, read_ahead_kb=ra)
-    learn_cfg = write_config(work / "cfg", args.latency, args.bandwidth, learn=True, read_ahead_kb=ra)
+    ra, sp = args.read_ahead_kb, args.slice_parts
+    cfg = write_config(work / "cfg", args.latency, args.bandwidth, read_ahead_kb=ra, slice_parts=sp)
+    learn_cfg = write_config(work / "cfg", args.latency, args.bandwidth, learn=True, read_ahead_kb=ra, slice_parts=sp)
     mp = work / "mnt"
     results: list[Result] = []
     try:

@@ -155,6 +155,7 @@ class Config:
     fetch_concurrency: int = 16
     cpu_threads: int = 2
     learn_prefetch: bool = True      # replay what earlier loads read (cpfs/learned.py)
+    slice_parts: bool = False        # readers of slices get parts of chunks (cpfs/readahead.py); README
     learn_shared: bool = True        # ... also what other hosts' loads read: recordings kept in the stores
     request_timeout: float = 30.0
     hedge_min: float = 0.01         # a read slower than its store's recent p95, bounded by these two,
@@ -203,6 +204,7 @@ _SECTIONS = {
         "concurrency": ("fetch_concurrency", int),
         "cpu_threads": ("cpu_threads", int),
         "learn": ("learn_prefetch", bool),
+        "slice_parts": ("slice_parts", bool),
         "learn_shared": ("learn_shared", bool),
     },
     "mount": {

@@ -31,7 +31,9 @@ also followed in file order, for `cat`). Without an index the plan is file order
   reads parts of tensors. A landing inside a tensor is judged by the next read: if that one goes on to
   the next tensor's start, the landing was the kernel's read-around; if the reader jumps again, it reads
   parts. Two landings at the same fraction of their tensors are slices: the matching slice of the next
-  few tensors (in loader order) is fetched ahead.
+  few tensors (in loader order) is fetched ahead. A read in the next chunk that skipped the start of
+  its tensor (bytes neither read nor held here) is a landing too: with tensors smaller than a chunk, a
+  rank's slices lie in consecutive chunks and looked like a stream.
 - Whether the reader reads whole tensors is learnt from one chunk held back: prefetched chunks go to
   the kernel page cache (`on_chunk`), after which the reader's reads of them never reach us. So the
   last chunk of a tensor fetched at a landing, the chunk a quarter into a stream window and predicted
@@ -57,13 +59,17 @@ pressure) fetches only the blocks around them, checked against the manifest's bl
 (StorePool.fetch_blocks), when the daemon no longer holds their chunk; the chunk itself is loaded into
 the cache later, once no read has come for REFILL_IDLE (`Scheduler.run`), for the pages lost beside them.
 
-A reader that has shown it reads parts of tensors (two landings at the same fraction: a rank's row slice)
+With `[readahead] slice_parts` on (off by default: a whole-tensor `torch.load(mmap=True)` reader can be
+taken for one of slices, and parts, never pushed, made its cold load + read 2.1 -> 2.8 s in `make demo`),
+a reader that has shown it reads parts of tensors (two landings at the same fraction: a rank's row slice)
 gets *parts* of chunks, not whole chunks: runs of blocks, fetched the same way and checked against the
 same block checks, for what it reads and for the matching slices it will read next. With chunks larger
 than a slice, whole chunks moved several times the slice (a 1 MiB chunk for a 0.3 MiB slice); parts move
 the slice rounded out to blocks. A part is held in the cache's budget until read or passed, like a
 prefetched chunk, and never pushed to the kernel: the reader reads it through us, which also tells us
-where it is. A chunk whose parts fail to fetch is read whole from then on. A reader judged to read whole
+where it is. A landing inside a tensor not yet judged is read in parts too: its chunk pushed whole
+would hide the reader's next reads, which judge it. A chunk whose parts fail to fetch is read whole from
+then on. A reader judged to read whole
 tensors again (it read on from its landing to the end of a tensor) goes back to whole chunks.
 
 Each reader counts bytes read, bytes fetched for it, and prefetched bytes used and wasted (`FileStats`,
@@ -523,6 +529,8 @@ class FileReader:
         self._loader_rank = {self.layout.units[u]: k for k, u in enumerate(self.layout.loader_units)}
         self.initial = cfg.readahead_initial
         self.slack = cfg.read_ahead_kb * 1024     # the kernel reads this far past what the reader touches
+        # parts of chunks for readers of slices (`_slicing`): opt-in, see [readahead] slice_parts
+        self.by_parts = cfg.slice_parts and sched.fetch_blocks is not None
         self.max_window = cfg.readahead_max
         # the stream
         self.k = 0                          # the order it runs along
@@ -890,11 +898,14 @@ class FileReader:
             for i in chunks:                        # the loader's metadata: read at any time, says nothing
                 self._seen(i)
             return
-        reach, self.reach = self.reach, max(self.reach, end)
         cont = self._continues(chunks)
-        if cont is not None and self._slicing() and offset > reach + self.slack:
+        if cont is not None and self._slicing() and offset > self.reach + self.slack:
             cont = None                             # a reader of slices going past the kernel's readahead
+        skipped = cont is not None and self._skipped_start(offset)
+        if skipped:
+            cont = None                             # the next chunk, but not the next bytes: a landing
         if cont is not None:
+            self.reach = max(self.reach, end)       # (a landing sets it, after judging the last slice)
             k, q = cont
             pos, order = self.pos[k], self.orders[k]
             p1 = max(pos[c] for c in chunks)
@@ -952,11 +963,28 @@ class FileReader:
                 if not self.whole and u is not None:    # into the next tensor only for whole-tensor readers
                     self.limit = max(pos[u.first], pos[u.last]) + 1
         else:
-            self._jump(offset, end, chunks)
+            self._jump(offset, end, chunks, skipped)
         if self.marker is not None and (self.marker in chunks or self.pos[self.k][self.marker] <= self.last):
             self.marker = None
         self._release_marks(chunks, upto=self.last)     # passed unread
         self._kick()
+
+    def _skipped_start(self, offset: int) -> bool:
+        """A read inside a tensor the reader had not read, past the kernel's readahead from its start,
+        where the start is not in pages the kernel holds or chunks here: the reader skipped it. With
+        tensors smaller than a chunk, a rank's slice of each lies in the chunk after the last, which
+        looks like a stream; taken for one, the reader seemed to go on from one tensor into the next
+        and was given the whole file (a 1/8 slice of 0.4-0.8 MiB tensors in 1 MiB chunks: 9x)."""
+        now = self._unit(offset)
+        if now is None or self.last_chunk is None or self._unit(self.m.offsets[self.last_chunk]) == now:
+            return False
+        return self._skipped(now, offset)
+
+    def _skipped(self, u: Unit, offset: int) -> bool:
+        """The bytes of tensor u before `offset` lie past the kernel's readahead from its start, and some
+        of them are neither here nor in the kernel: a reader at `offset` has not read u's start."""
+        return offset > u.offset + self.slack and not all(
+            self._have(i) for i in self.m.chunk_range(u.offset, offset - u.offset))
 
     def _at_header(self, offset: int) -> bool:
         """Whether a read from `offset` starts at a torch record's zip local header: the kernel reads
@@ -967,13 +995,16 @@ class FileReader:
     def _read_to_end(self, offset: int, end: int, chunks: range) -> None:
         for t in self._units_in(offset, end):
             if t.last in chunks and t.first != t.last and end >= t.offset + t.length and self.mid is None:
+                if self._skipped(t, offset):
+                    continue                        # the kernel reading around a fault past its end
                 # A reader of slices reads every byte through us: its reads reach a tensor's end by the
                 # kernel's readahead past its slice, unless they began at the tensor's start.
                 if not self._slicing() or self.land <= t.offset + PAGE:
                     self.whole = True               # read a tensor of several chunks to its end
 
-    def _jump(self, offset: int, end: int, chunks: range) -> None:
-        """The reader left the stream: judge what it skipped, then what its landing says."""
+    def _jump(self, offset: int, end: int, chunks: range, skipped: bool = False) -> None:
+        """The reader left the stream: judge what it skipped, then what its landing says. `skipped`: it
+        read on into the next chunk but skipped the start of the tensor it is in (`_skipped_start`)."""
         if self.batch_end is not None and self.batch_end not in chunks and self.batch_end in self.held:
             self.whole = False                      # left a tensor fetched whole before its end
         if self.mid is not None:
@@ -1017,7 +1048,7 @@ class FileReader:
             nxt = self._unit(u.offset + u.length)
             if nxt is not None:
                 u, starts = nxt, [nxt]
-        if starts or chunks[0] == u.first or self._have(chunks[0] - 1):
+        if starts or (chunks[0] == u.first or self._have(chunks[0] - 1)) and not skipped:
             # At the start of a tensor, or just after what is already here of it (the reader came
             # through the kernel's copy): fetch the rest of it, unless the reader reads parts.
             self.slice_unit = None
@@ -1079,10 +1110,13 @@ class FileReader:
         """The reader reads parts of tensors and chunks can be read in parts: what it has not got of a
         chunk is fetched as the blocks it reads (`_read_parts`), not as the whole chunk. A rank reading
         its 1/8 row slice of each tensor through 4 MiB chunks otherwise moved 7x what it read."""
-        return self.whole is False and self.sched.fetch_blocks is not None
+        return self.whole is False and self.by_parts
 
     def _by_parts(self, i: int) -> bool:
-        return self._slicing() and i not in self.whole_only and not self._have(i)
+        """Read chunk i in parts: for a reader of slices, and for one that landed inside a tensor and is
+        not judged yet (a whole chunk pushed to the kernel would hide where the reader goes next)."""
+        judging = self.mid is not None and self.whole is None and self.by_parts
+        return (self._slicing() or judging) and i not in self.whole_only and not self._have(i)
 
     def _rank_at(self, offset: int) -> int:
         u = self._unit(offset)
