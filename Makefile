@@ -1,4 +1,5 @@
-# make test: install what the tests need on a fresh machine and run them.
+# make test: install what the tests need on a fresh machine and run them, in TEST_WORKERS processes
+#   (pytest-xdist; most tests wait on mounts, stores and sleeps, not on the CPU). TEST_WORKERS=0: one process.
 # make demo: prepare a ~1 GiB checkpoint, import it, mount, torch.load cold and warm, compare, unmount.
 # make bench: every read/write case of issue 10 side by side (loads cold/warm/mmap/safetensors, peers, remote-like
 #   stores, the 1-2-4-8 store series, saves, partial loads), medians of 3; prints a table, writes bench.png.
@@ -9,6 +10,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 4
 BENCH_ARGS ?=
 CONFORMANCE_ARGS ?=
 
@@ -27,7 +29,7 @@ venv: deps $(PY)
 	$(PY) -m pip install -q -e '.[test]'
 
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 2 $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) -m benchmarks.demo

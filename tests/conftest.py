@@ -101,6 +101,13 @@ class Mount:
 LOG_TAIL = 60      # lines of a mount's log shown when its test failed
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `long` first, the rest in their order: `make test` runs the suite in several
+    processes (pytest-xdist, `--maxschedchunk 2`: a worker holds at most two tests ahead, so the long
+    ones spread over the workers), and a long test started last would leave the others idle until it ends."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     """Keep each phase's report on the test item, so that fixtures can tell a failed test."""

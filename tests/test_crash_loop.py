@@ -104,6 +104,7 @@ def kill_daemon(m) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("write_quorum", [2, 1], ids=["every-replica", "quorum-1-of-2"])
 def test_kill_9_of_the_daemon_mid_save_never_leaves_a_partial_checkpoint(make_config, tmp_path, mount,
                                                                          write_quorum: int) -> None:

@@ -128,6 +128,7 @@ def test_a_store_that_vanishes_mid_load(make_config, tmp_path: Path, mount) -> N
     assert same(torch.load(m.path / "ck" / "ck0.pt", weights_only=True), want["ck0.pt"])
 
 
+@pytest.mark.long
 def test_eight_loads_and_thirty_two_readers_with_a_flaky_store(make_config, tmp_path: Path, mount) -> None:
     """8 processes load 8 checkpoints at once while 32 threads read one file at random offsets, with
     one store failing 20% of its requests: every byte right, and the daemon's memory stays within the

@@ -40,7 +40,8 @@ def test_chunk_round_trip(data: bytes) -> None:
     assert chunkfmt.chunk_key(enc.digest) == f"chunks/{enc.digest[:2]}/{enc.digest}"
 
 
-@pytest.mark.parametrize("data", [os.urandom(300_000), bytes(300_000), b"", os.urandom(5)])
+@pytest.mark.parametrize("data", [os.urandom(300_000), bytes(300_000), b"", os.urandom(5)],
+                         ids=["random", "zeros", "empty", "five-random"])   # stable ids: xdist workers collect alike
 def test_encode_framed_is_encode_and_keeps_raw_chunks_in_place(data: bytes) -> None:
     framed = bytearray(chunkfmt.HEADER_SIZE) + data
     enc = chunkfmt.encode_framed(framed)

@@ -347,6 +347,7 @@ async def test_a_hanging_store_delays_nothing(tmp_path: Path) -> None:
         assert holds.statistics().late == 0
 
 
+@pytest.mark.long
 def test_a_version_open_through_the_mount_survives_retirement_and_gc(tmp_path: Path, mount) -> None:
     """The evaluator's case, through a real mount: it opens /ckpt.bin; another host (`cpfs put`)
     commits three newer versions, which retire the open one; `cpfs gc` runs with every chunk aged past

@@ -110,6 +110,7 @@ def imported_1g(tmp_path_factory: pytest.TempPathFactory, checkpoint_1g) -> Iter
     shutil.rmtree(folder / "stores")
 
 
+@pytest.mark.long
 def test_put_cat_1gib_exact(imported_1g, checkpoint_1g, tmp_path: Path) -> None:
     """put then cat of a 1 GiB checkpoint gives back the exact bytes; every chunk has 2 replicas on
     distinct stores and the chunks spread over all 3."""
@@ -128,6 +129,7 @@ def test_put_cat_1gib_exact(imported_1g, checkpoint_1g, tmp_path: Path) -> None:
     assert err == ""
 
 
+@pytest.mark.long
 def test_second_put_adds_nothing(imported_1g, checkpoint_1g) -> None:
     """Putting the same 1 GiB file again writes no chunk data: the CLI says so and the stores' folders
     do not grow."""
@@ -140,6 +142,7 @@ def test_second_put_adds_nothing(imported_1g, checkpoint_1g) -> None:
     assert _store_bytes(stores) == before_total      # only a new manifest version was written
 
 
+@pytest.mark.long
 def test_corrupt_replica_served_from_other(imported_1g, checkpoint_1g, tmp_path: Path) -> None:
     """With one byte flipped in store s1's replica of every chunk it holds (so each chunk has exactly one
     bad replica), cat still gives the exact bytes and stderr names s1 as holding corrupt replicas."""

@@ -334,6 +334,7 @@ def s3_config(request: pytest.FixtureRequest, s3_server: S3Server, tmp_path: Pat
     return write_s3_config(s3_server, tmp_path / "cfg", request.param)
 
 
+@pytest.mark.long
 @pytest.mark.mount
 def test_put_cat_and_mount_over_s3(s3_config: tuple[Path, list[str]], s3_server: S3Server, tmp_path: Path,
                                    mount) -> None:

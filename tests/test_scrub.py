@@ -232,6 +232,7 @@ def test_emptied_store_is_refilled(tmp_path: Path) -> None:
 
 # ---- stores added and removed -------------------------------------------------------------------------
 
+@pytest.mark.long
 def test_added_store_then_removed_store(tmp_path: Path, mount) -> None:
     """A 4th store added: chunks keep their listed copies, manifest versions whose placement moved to
     the new store are copied there. Then a store removed from the config (its folder gone): chunks it

@@ -162,6 +162,7 @@ def test_torch_save_and_safetensors_round_trip(make_config, tmp_path, mount):
     assert doc["tensor_index"] and doc["size"] == (local / "step_1.pt").stat().st_size
 
 
+@pytest.mark.long
 def test_cp_of_one_gib_then_sha256sum(make_config, tmp_path, mount):
     """`cp` of a 1 GiB file into the mount: sha256sum equal through the writer's mount (page cache)
     and through a fresh mount (every byte from the stores)."""
@@ -351,6 +352,7 @@ def test_second_mount_sees_old_bytes_until_the_overwrite_is_closed(make_config, 
     assert (b.path / "ckpt.bin").stat().st_size == len(newer)
 
 
+@pytest.mark.long
 def test_names_changed_here_survive_a_concurrent_refresh(make_config, tmp_path, mount):
     """Another process lists the mount without pause (each listing re-reads every manifest, ~0.5 s
     here): files written, unlinked or renamed meanwhile must not vanish or come back when a listing
@@ -452,6 +454,7 @@ class PausedWrites:
         self.f.flush()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_save_that_outlasts_the_gc_grace_keeps_its_chunks_through_a_gc(make_config, tmp_path, mount):
     """torch.save into the mount stops half way for longer than gc_grace (60 s, the floor) and
@@ -651,6 +654,7 @@ def test_vanishing_stores_give_eio_at_close_and_lose_nothing(make_config, tmp_pa
 # ---------------------------------------------------------------------------------------------------
 # memory
 
+@pytest.mark.long
 def test_daemon_memory_while_saving_512_mib_stays_near_the_cache_budget(make_config, tmp_path, mount):
     budget, slack = 64 * MiB, 200 * MiB
     cfg = config(make_config, tmp_path, cache="64MiB", chunk_size="4MiB")
@@ -722,6 +726,7 @@ def test_chmod_utime_truncate_reach_other_mounts(make_config, tmp_path, mount):
     assert st.st_mtime_ns >= 1_600_000_000_000_000_000
 
 
+@pytest.mark.long
 def test_a_file_rewritten_while_another_thread_chmods_it_keeps_every_save(make_config, tmp_path, mount):
     """A saver rewrites one file (open O_TRUNC, write, close) while another thread chmods it. The
     kernel sends each close's RELEASE after close() returned; the next save's open could join the
