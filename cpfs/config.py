@@ -155,8 +155,8 @@ class Config:
     fetch_concurrency: int = 16
     cpu_threads: int = 2
     learn_prefetch: bool = True      # replay what earlier loads read (cpfs/learned.py)
-    slice_parts: bool = False        # readers of slices get parts of chunks (cpfs/readahead.py); README
     learn_shared: bool = True        # ... also what other hosts' loads read: recordings kept in the stores
+    slice_parts: bool = False        # readers of slices get parts of chunks (cpfs/readahead.py); README
     request_timeout: float = 30.0
     hedge_min: float = 0.01         # a read slower than its store's recent p95, bounded by these two,
     hedge_max: float = 0.5          # also asks the next replica ([store_defaults] hedge_min/max)
@@ -204,8 +204,8 @@ _SECTIONS = {
         "concurrency": ("fetch_concurrency", int),
         "cpu_threads": ("cpu_threads", int),
         "learn": ("learn_prefetch", bool),
-        "slice_parts": ("slice_parts", bool),
         "learn_shared": ("learn_shared", bool),
+        "slice_parts": ("slice_parts", bool),
     },
     "mount": {
         "entry_timeout": ("entry_timeout", parse_duration),

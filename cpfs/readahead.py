@@ -69,8 +69,8 @@ the slice rounded out to blocks. A part is held in the cache's budget until read
 prefetched chunk, and never pushed to the kernel: the reader reads it through us, which also tells us
 where it is. A landing inside a tensor not yet judged is read in parts too: its chunk pushed whole
 would hide the reader's next reads, which judge it. A chunk whose parts fail to fetch is read whole from
-then on. A reader judged to read whole
-tensors again (it read on from its landing to the end of a tensor) goes back to whole chunks.
+then on. A reader judged to read whole tensors again (it read on from its landing to the end of a
+tensor) goes back to whole chunks.
 
 Each reader counts bytes read, bytes fetched for it, and prefetched bytes used and wasted (`FileStats`,
 in `Scheduler.statistics().files`, open files and the last closed ones). "Used" means read through the
@@ -530,7 +530,7 @@ class FileReader:
         self.initial = cfg.readahead_initial
         self.slack = cfg.read_ahead_kb * 1024     # the kernel reads this far past what the reader touches
         # parts of chunks for readers of slices (`_slicing`): opt-in, see [readahead] slice_parts
-        self.by_parts = cfg.slice_parts and sched.fetch_blocks is not None
+        self.parts_allowed = cfg.slice_parts and sched.fetch_blocks is not None
         self.max_window = cfg.readahead_max
         # the stream
         self.k = 0                          # the order it runs along
@@ -1002,7 +1002,7 @@ class FileReader:
                 if not self._slicing() or self.land <= t.offset + PAGE:
                     self.whole = True               # read a tensor of several chunks to its end
 
-    def _jump(self, offset: int, end: int, chunks: range, skipped: bool = False) -> None:
+    def _jump(self, offset: int, end: int, chunks: range, skipped: bool) -> None:
         """The reader left the stream: judge what it skipped, then what its landing says. `skipped`: it
         read on into the next chunk but skipped the start of the tensor it is in (`_skipped_start`)."""
         if self.batch_end is not None and self.batch_end not in chunks and self.batch_end in self.held:
@@ -1048,7 +1048,7 @@ class FileReader:
             nxt = self._unit(u.offset + u.length)
             if nxt is not None:
                 u, starts = nxt, [nxt]
-        if starts or (chunks[0] == u.first or self._have(chunks[0] - 1)) and not skipped:
+        if starts or ((chunks[0] == u.first or self._have(chunks[0] - 1)) and not skipped):
             # At the start of a tensor, or just after what is already here of it (the reader came
             # through the kernel's copy): fetch the rest of it, unless the reader reads parts.
             self.slice_unit = None
@@ -1110,12 +1110,12 @@ class FileReader:
         """The reader reads parts of tensors and chunks can be read in parts: what it has not got of a
         chunk is fetched as the blocks it reads (`_read_parts`), not as the whole chunk. A rank reading
         its 1/8 row slice of each tensor through 4 MiB chunks otherwise moved 7x what it read."""
-        return self.whole is False and self.by_parts
+        return self.whole is False and self.parts_allowed
 
     def _by_parts(self, i: int) -> bool:
         """Read chunk i in parts: for a reader of slices, and for one that landed inside a tensor and is
         not judged yet (a whole chunk pushed to the kernel would hide where the reader goes next)."""
-        judging = self.mid is not None and self.whole is None and self.by_parts
+        judging = self.mid is not None and self.whole is None and self.parts_allowed
         return (self._slicing() or judging) and i not in self.whole_only and not self._have(i)
 
     def _rank_at(self, offset: int) -> int:

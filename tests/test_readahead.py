@@ -57,16 +57,18 @@ class FakeStore:
         return self.blobs[entry.digest]
 
 
-def make_file(store: FakeStore, n: int, index: dict | None = None, seed: int = 0) -> tuple[Manifest, bytes]:
+def make_file(store: FakeStore, n: int, index: TensorIndex | None = None, seed: int = 0,
+              chunk: int = CHUNK) -> tuple[Manifest, bytes]:
+    """n raw chunks of `chunk` random bytes, each held by `store` (as store "s"), and their manifest."""
     rng = random.Random(seed)
-    data = rng.randbytes(n * CHUNK)
+    data = rng.randbytes(n * chunk)
     chunks = []
     for i in range(n):
-        piece = data[i * CHUNK:(i + 1) * CHUNK]
+        piece = data[i * chunk:(i + 1) * chunk]
         d = chunk_hash(piece)
         store.blobs[d] = piece
-        chunks.append(ChunkEntry(d, CHUNK, CHUNK, "raw", ("s",)))
-    return Manifest("/f", len(data), 0, 0o644, CHUNK, tuple(chunks), 1, index), data
+        chunks.append(ChunkEntry(d, chunk, chunk, "raw", ("s",)))
+    return Manifest("/f", len(data), 0, 0o644, chunk, tuple(chunks), 1, index), data
 
 
 async def read_all(reader, size: int, step: int = 16 * 1024) -> bytes:
@@ -235,10 +237,15 @@ def checkpoint(store: FakeStore, tensors: int = 8, per: int = 8) -> tuple[Manife
     m, data = make_file(store, n)
     ts = tuple(TensorEntry(f"t{k}", "float32", (per * CHUNK // 4,), (1,), str(k), (1 + k * per) * CHUNK, per * CHUNK)
                for k in range(tensors))
-    records = (Record("archive/data.pkl", 0, CHUNK),) + tuple(
+    return m, data, zip_index(ts, n, CHUNK)
+
+
+def zip_index(ts: tuple[TensorEntry, ...], n: int, chunk: int) -> TensorIndex:
+    """The index of a torch-zip-like file of n chunks: data.pkl in chunk 0, the tensors `ts` (a record
+    each), the zip directory in the last chunk."""
+    records = (Record("archive/data.pkl", 0, chunk),) + tuple(
         Record(f"archive/data/{k}", t.offset, t.length) for k, t in enumerate(ts))
-    index = TensorIndex("torch-zip", records, ts, file_size=n * CHUNK, directory_offset=(n - 1) * CHUNK)
-    return m, data, index
+    return TensorIndex("torch-zip", records, ts, file_size=n * chunk, directory_offset=(n - 1) * chunk)
 
 
 def fetched(store: FakeStore, m: Manifest) -> list[int]:
@@ -773,16 +780,11 @@ def _block_file(store: BlockStore, n: int, seed: int, window: int) -> tuple[Mani
     """A file of n raw chunks of 4 blocks of random bytes, each held by `store` (as store "s"), and a
     scheduler over `store` that pushes to a Kernel, reads blocks, and prefetches `window` chunks ahead."""
     size = 4 * BLOCK
-    data = random.Random(seed).randbytes(n * size)
-    chunks = []
-    for i in range(n):
-        piece = data[i * size:(i + 1) * size]
-        store.blobs[chunk_hash(piece)] = piece
-        chunks.append(ChunkEntry(chunk_hash(piece), size, size, "raw", ("s",)))
+    m, data = make_file(store, n, seed=seed, chunk=size)
     kernel = Kernel(len(data))
     sched = Scheduler(ChunkCache(64 * size), store.fetch, config(cache="64MiB", max=window * size),
                       on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
-    return Manifest("/f", len(data), 0, 0o644, size, tuple(chunks), 1), data, kernel, sched
+    return m, data, kernel, sched
 
 
 async def _read_through(kernel: Kernel, reader: FileReader, data: bytes) -> None:
@@ -961,18 +963,10 @@ async def test_a_slice_reader_of_large_chunks_fetches_its_slices_not_their_chunk
     store = SizedBlockStore()
     chunk, per, tensors = 4 * BLOCK, 4, 8
     n = 2 + tensors * per
-    data = random.Random(5).randbytes(n * chunk)
-    entries = []
-    for i in range(n):
-        piece = data[i * chunk:(i + 1) * chunk]
-        store.blobs[chunk_hash(piece)] = piece
-        entries.append(ChunkEntry(chunk_hash(piece), chunk, chunk, "raw", ("s",)))
     ts = tuple(TensorEntry(f"t{k}", "float32", (per * chunk // 4,), (1,), str(k), (1 + k * per) * chunk,
                            per * chunk) for k in range(tensors))
-    records = (Record("archive/data.pkl", 0, chunk),) + tuple(
-        Record(f"archive/data/{k}", t.offset, t.length) for k, t in enumerate(ts))
-    index = TensorIndex("torch-zip", records, ts, file_size=n * chunk, directory_offset=(n - 1) * chunk)
-    m = Manifest("/f", len(data), 0, 0o644, chunk, tuple(entries), 1, index)
+    index = zip_index(ts, n, chunk)
+    m, data = make_file(store, n, index, seed=5, chunk=chunk)
     kernel = Kernel(len(data))
     sched = Scheduler(ChunkCache(64 * chunk), store.fetch, config(cache="64MiB", max=16 * chunk, slice_parts=True),
                       on_chunk=kernel.push, fetch_blocks=store.fetch_blocks)
@@ -1018,18 +1012,10 @@ async def test_a_slice_reader_of_tensors_smaller_than_a_chunk_is_seen_to_read_sl
     chunk, tensors = 4 * BLOCK, 24
     tlen = 3 * BLOCK
     n = 2 + -(-tensors * tlen // chunk)
-    data = random.Random(7).randbytes(n * chunk)
-    entries = []
-    for i in range(n):
-        piece = data[i * chunk:(i + 1) * chunk]
-        store.blobs[chunk_hash(piece)] = piece
-        entries.append(ChunkEntry(chunk_hash(piece), chunk, chunk, "raw", ("s",)))
     ts = tuple(TensorEntry(f"t{k:02d}", "float32", (tlen // 4,), (1,), str(k), chunk + k * tlen, tlen)
                for k in range(tensors))
-    records = (Record("archive/data.pkl", 0, chunk),) + tuple(
-        Record(f"archive/data/{k}", t.offset, t.length) for k, t in enumerate(ts))
-    index = TensorIndex("torch-zip", records, ts, file_size=n * chunk, directory_offset=(n - 1) * chunk)
-    m = Manifest("/f", len(data), 0, 0o644, chunk, tuple(entries), 1, index)
+    index = zip_index(ts, n, chunk)
+    m, data = make_file(store, n, index, seed=7, chunk=chunk)
     kernel = Kernel(len(data))
     sched = Scheduler(ChunkCache(64 * chunk), store.fetch, config(cache="64MiB", max=16 * chunk, read_ahead_kb=64,
                                                                   slice_parts=True),
