@@ -22,6 +22,7 @@ from .cache import ChunkCache
 from .catalog import Catalog, Unreadable
 from .config import GC_GRACE_FLOOR, Config, load_config, parse_duration
 from .errors import ConfigError, CpfsError, NotFound
+from .holds import Holds
 from .importer import Importer
 from .manifest import Summary, normalize_path
 from .pool import StorePool
@@ -171,15 +172,25 @@ async def cmd_cat(config: Config, args: argparse.Namespace) -> int:
     path = normalize_path(args.path)
     m = await (catalog.get(path) if args.version is None else catalog.get_version(path, args.version))
     sched = Scheduler(ChunkCache(max(config.readahead_max * 2, 8 * config.chunk_size)), pool.fetch_chunk, config)
+    # Held as a mount holds what it has open (cpfs/holds.py): a cat into a slow pipe may outlast the
+    # version's retirement by newer commits, and a gc meanwhile would delete the chunks it has yet to read.
+    holds = Holds(pool)
+    await _background.get().start(holds.run)
+    hold = holds.take(m)
     out = sys.stdout.buffer
-    async with trio.open_nursery() as n:
-        reader = await sched.open(n, m, None)
-        step = config.chunk_size
-        for off in range(0, m.size, step):
-            data = await reader.read(off, step)
-            await trio.to_thread.run_sync(out.write, data)
-        await reader.aclose()
-    await trio.to_thread.run_sync(out.flush)
+    try:
+        async with trio.open_nursery() as n:
+            reader = await sched.open(n, m, None)
+            step = config.chunk_size
+            for off in range(0, m.size, step):
+                data = await reader.read(off, step)
+                await trio.to_thread.run_sync(out.write, data)
+            await reader.aclose()
+        await trio.to_thread.run_sync(out.flush)
+    finally:
+        holds.drop(hold)
+        with trio.move_on_after(daemon.SHARE_AT_UNMOUNT):
+            await holds.aclose()        # not deleted (a store hangs, ^C): it lapses after gc_grace
     return 0
 
 

@@ -2,13 +2,15 @@
 
 Folder stores, real gc runs. Each "mount" or "host" is a StorePool of its own over the same folders
 (tests/test_gc.py's helpers); ages are set with os.utime; stores misbehave through wrappers
-(FaultyStore and small wrappers of this file), never patches. The last two tests go through real
-mounts.
+(FaultyStore and small wrappers of this file), never patches. The last three tests run real processes:
+two real mounts, then `cpfs cat`.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,7 +23,7 @@ from cpfs.gc import GarbageCollector
 from cpfs.holds import DEFER, PREFIX, Holds
 from cpfs.errors import StoreUnavailable
 from cpfs.store import FaultyStore, Store, StoreWrapper
-from tests.conftest import cpfs
+from tests.conftest import ROOT, cpfs
 from tests.test_gc import (GRACE, SIZE, Writer, _age_chunks, _chunk_files, _config, _digests, _gc,
                            _missing_copies, _pool, _stores_root)
 
@@ -414,3 +416,41 @@ def test_a_write_session_keeps_its_base_through_retirement_and_gc(tmp_path: Path
     m.stop()
     again = mount(cfg, "again")
     assert (again.path / "log.bin").read_bytes() == base + b"appended"
+
+
+def test_a_version_cpfs_cat_reads_survives_retirement_and_gc(tmp_path: Path) -> None:
+    """`cpfs cat --version` holds the version it reads, as a mount does: here the reader stalls (its
+    stdout is a pipe nobody reads) a quarter MiB into an 8 MiB version, three newer commits retire that
+    version, and `cpfs gc` runs with every chunk aged past the grace. The rest of the output still equals
+    the version, byte for byte (without the hold, gc deleted the chunks the cat had not fetched yet and
+    it failed), and the hold is gone once the cat ends."""
+    cfg = _config(tmp_path)
+    with open(cfg, "a") as f:
+        f.write('[readahead]\nmax = "1MiB"\n')         # the cat fetches ~2 MiB ahead of its output, no more
+    old = os.urandom(8 << 20)
+    src = tmp_path / "ckpt.bin"
+    src.write_bytes(old)
+    cpfs("put", str(src), "/ckpt.bin", config=cfg)
+    proc = subprocess.Popen([sys.executable, "-m", "cpfs.cli", "--config", str(cfg), "cat", "/ckpt.bin",
+                             "--version", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        got = proc.stdout.read(256 << 10)
+        deadline = time.monotonic() + 10
+        while len(_hold_files(tmp_path)) < 3 and time.monotonic() < deadline:   # DEFER after the read began
+            time.sleep(0.05)
+        assert _held_versions(tmp_path) == ["/ckpt.bin@1"] * 3
+        for _ in range(3):
+            src.write_bytes(os.urandom(len(old)))
+            cpfs("put", str(src), "/ckpt.bin", config=cfg)
+        _age_chunks(tmp_path)
+        report = json.loads(cpfs("gc", "--json", config=cfg).stdout)
+        assert report["refused"] is None and report["held_chunks"] == len(old) // 65536
+        got += proc.stdout.read()
+        assert proc.wait(30) == 0, proc.stderr.read().decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert got == old
+    assert _hold_files(tmp_path) == []
