@@ -90,6 +90,11 @@ BACKGROUND_WRITES = 256      # ... and writes (manifests are small): beyond eith
 SHUTDOWN_GRACE = 10.0        # seconds background puts get when run() is cancelled, then abandoned
 
 
+def boottime() -> float:
+    """Seconds since boot, suspends included (CLOCK_BOOTTIME); CLOCK_MONOTONIC where there is none."""
+    return time.clock_gettime(getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC))
+
+
 class Stored(NamedTuple):
     """What `store_chunk` did: the stores that held the chunk when it returned, whether any was written,
     and the oldest mtime any of those copies may have (the clocks agree: cpfs/gc.py): what a gc judges."""
@@ -165,13 +170,17 @@ class StorePool:
     def __init__(self, config: Config, stores: Sequence[Store] | None = None, *,
                  probe_interval: float = PROBE_INTERVAL, seed: int | None = None,
                  background_bytes: int = BACKGROUND_BYTES, shutdown_grace: float = SHUTDOWN_GRACE,
-                 clock: Callable[[], float] = time.time, hedge_budget: Budget | None = None) -> None:
+                 clock: Callable[[], float] = time.time, ticks: Callable[[], float] = boottime,
+                 hedge_budget: Budget | None = None) -> None:
         """The stores `config` describes, or `stores` (tests inject wrapped stores; each gets a
         MeteredStore around it unless it is one). `clock`: the wall clock that store ages (mtimes) are
-        judged against (tests inject one that has moved on). `hedge_budget`: what pays for hedges (by
-        default HEDGE_RATIO per answered read, up to `hedges`; tests inject a spent one)."""
+        judged against (tests inject one that has moved on). `ticks`: the clock on which the ages of
+        copies a pending commit counts on go on (cpfs/upload.py: Renewal): no step of the wall clock
+        moves it, and it counts the time the machine was suspended. `hedge_budget`: what pays for hedges
+        (by default HEDGE_RATIO per answered read, up to `hedges`; tests inject a spent one)."""
         self.config = config
         self.clock = clock
+        self.ticks = ticks
         built = stores if stores is not None else [open_store(s) for s in config.stores]
         self._stores: dict[str, MeteredStore] = {
             s.name: s if isinstance(s, MeteredStore) else MeteredStore(s) for s in built}

@@ -15,7 +15,11 @@ file being written are unreferenced until its manifest lands (cpfs/gc.py). A sav
 gc_grace/2, or a file held open for hours (a log appended to), must not lose the chunks it stored first.
 So the uploader remembers, per chunk it stored, the oldest mtime its copies may have, and its owner runs
 `keep_fresh` while the file is open: every RENEW_EVERY of gc_grace it touches the copies that reached
-RENEW_AGE of gc_grace (at most 5/8 of the grace old, at any moment, plus the time a pass takes). Before a
+RENEW_AGE of gc_grace (at most 5/8 of the grace old, at any moment, plus the time a pass takes). Ages are
+counted on the pool's `ticks` (boot time), not the wall clock: a copy's mtime is read against the wall clock
+once, when the chunk is stored, and a later step of that clock (NTP correcting a clock that ran fast)
+moves no renewal. Before, a step back of more than 3/8 of the grace during a save held its renewals back
+past the grace of a gc on a host whose clock was right. Before a
 commit, `unsure` renews what is due and names the chunks whose copies went anyway (a daemon frozen for
 longer than the grace, a store wiped, a renewal a store refused): their owner stores them again (from
 staging, or from a copy left elsewhere) or fails the commit, so a manifest never names a chunk a gc took.
@@ -88,8 +92,8 @@ class Uploader:
         self._cfg = pool.config
         self._placed: dict[str, ChunkEntry] = {}
         self._placing: SingleFlight[str, ChunkEntry] = SingleFlight()
-        # Renewal: placed chunks no commit names yet -> the oldest mtime their copies may have; and
-        # those found gone, until they are placed again.
+        # Renewal: placed chunks no commit names yet -> the oldest mtime their copies may have (as a
+        # point on the pool's ticks); and those found gone, until they are placed again.
         self._since: dict[str, float] = {}
         self._lost: set[str] = set()
         self._renewing = trio.Lock()        # one pass at a time (keep_fresh's, a commit's)
@@ -129,7 +133,7 @@ class Uploader:
             self._deduped += 1
         entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, tuple(held), enc.blocks)
         self._placed[enc.digest] = entry
-        self._since[enc.digest] = since
+        self._since[enc.digest] = self._pool.ticks() - max(0.0, self._pool.clock() - since)   # on ticks
         self._lost.discard(enc.digest)
         return entry
 
@@ -144,7 +148,7 @@ class Uploader:
     async def renew_due(self) -> None:
         """Touch the copies of every chunk not yet named by a commit that may be RENEW_AGE old."""
         async with self._renewing:
-            limit = self._pool.clock() - self._cfg.gc_grace * RENEW_AGE
+            limit = self._pool.ticks() - self._cfg.gc_grace * RENEW_AGE
             due = [d for d, since in self._since.items() if since <= limit]
             if due:
                 await in_parallel(self._renew, due, self._cfg.fetch_concurrency)
@@ -153,7 +157,7 @@ class Uploader:
         """Renew one chunk's copies. Fewer than write_quorum renewed: if a copy is gone the chunk is
         lost (stored again before the commit); a store that failed is tried again by the next pass."""
         entry = self._placed[digest]
-        start = self._pool.clock()
+        start = self._pool.ticks()
         renewed, gone = await self._pool.renew(digest, entry.stores)
         if self._placed.get(digest) is not entry or digest not in self._since:
             return  # placed again, or settled, meanwhile
@@ -175,7 +179,7 @@ class Uploader:
         what is due first; what is still due after that counts as lost. The caller stores them again
         before committing (`store` does, once asked)."""
         await self.renew_due()
-        limit = self._pool.clock() - self._cfg.gc_grace * RENEW_AGE
+        limit = self._pool.ticks() - self._cfg.gc_grace * RENEW_AGE
         wanted = set(digests)
         for d in [d for d in wanted if self._since.get(d, math.inf) <= limit]:
             self._forget(d)

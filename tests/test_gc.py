@@ -32,7 +32,7 @@ from cpfs.gc import GarbageCollector, GcReport
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest, path_hash
 from cpfs.placement import place
-from cpfs.pool import StorePool
+from cpfs.pool import StorePool, boottime
 from cpfs.store import FaultyStore, Store, StoreWrapper, ThrottledStore, open_store
 from cpfs.store.directory import TMP_SUFFIX
 from cpfs.upload import RENEW_EVERY
@@ -58,22 +58,32 @@ def _config(tmp_path: Path, *, keep: int = 2, gc_grace: str = "60s", name: str =
     return path
 
 
-def _pool(cfg: Path, wrap: Callable[[Store], Store] | None = None, clock: Callable[[], float] = time.time) -> StorePool:
+def _pool(cfg: Path, wrap: Callable[[Store], Store] | None = None, clock: Clock | None = None) -> StorePool:
     """A pool of its own over the config's folders: another mount, or the host that runs gc."""
     config = load_config(cfg)
     stores = [open_store(s) for s in config.stores]
-    return StorePool(config, stores=[wrap(s) for s in stores] if wrap else stores, clock=clock)
+    return StorePool(config, stores=[wrap(s) for s in stores] if wrap else stores,
+                     **({"clock": clock, "ticks": clock.ticks} if clock else {}))
 
 
 class Clock:
-    """The wall clock of a mount whose file stayed open while hours passed: `ahead` of the real one.
-    The test ages the stores' copies by as much (os.utime), so both agree on what is old."""
+    """The clocks of a mount whose file stayed open while hours passed: its wall clock `ahead` of the
+    real one, and its ticks (boot time: cpfs/pool.py) `passed` on. `hours_pass` moves both; the test
+    ages the stores' copies by as much (os.utime), so all agree on what is old."""
 
     def __init__(self) -> None:
         self.ahead = 0.0
+        self.passed = 0.0
 
     def __call__(self) -> float:
         return time.time() + self.ahead
+
+    def ticks(self) -> float:
+        return boottime() + self.passed
+
+    def hours_pass(self, seconds: float = AGE) -> None:
+        self.ahead += seconds
+        self.passed += seconds
 
 
 def _stores_root(tmp_path: Path) -> Path:
@@ -607,8 +617,8 @@ class OpenFile:
                             nursery=nursery)
 
     def hours_pass(self, copies: set[Path]) -> None:
-        """AGE seconds go by: on this mount's clock, and for the copies' mtimes."""
-        self.clock.ahead += AGE
+        """AGE seconds go by: on this mount's clocks, and for the copies' mtimes."""
+        self.clock.hours_pass()
         for p in copies:
             st = p.stat()
             os.utime(p, (st.st_atime - AGE, st.st_mtime - AGE))
@@ -620,11 +630,16 @@ async def _until(condition: Callable[[], bool], seconds: float) -> None:
             await trio.sleep(0.05)
 
 
-async def test_a_file_open_for_hours_keeps_what_it_stored_while_gc_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("step_back", [False, True], ids=["clock right", "wall clock stepped back"])
+async def test_a_file_open_for_hours_keeps_what_it_stored_while_gc_runs(tmp_path: Path, step_back: bool) -> None:
     """A file held open for writing for two hours (a slow save, a log appended to) while gc runs. The
     chunks write-behind stored first are named by no version until the close commits, and they are
     older than the grace; the session renews them while the file is open (upload: Renewal), so gc
-    spares them and the commit reads back whole. Before, gc took them and the committed file was lost."""
+    spares them and the commit reads back whole. Before, gc took them and the committed file was lost.
+    `step_back`: meanwhile NTP stepped the mount's wall clock back by as much (it ran two hours fast),
+    so on that clock the copies look new; gc runs on a host whose clock is right. Renewal counts ages
+    on boot time, not on the wall clock; when it did, no renewal came, and the commit named chunks gc
+    had taken."""
     cfg = _config(tmp_path)
     f = OpenFile(tmp_path, cfg, "/run/train.log")
     first, second = os.urandom(16 * 65536), os.urandom(100_000)
@@ -635,6 +650,8 @@ async def test_a_file_open_for_hours_keeps_what_it_stored_while_gc_runs(tmp_path
         stored = set(_chunk_files(tmp_path))
         assert s.statistics().chunks_streamed >= 15 and stored
         f.hours_pass(stored)
+        if step_back:
+            f.clock.ahead -= AGE
         # The session looks for due renewals every RENEW_EVERY of the grace (7.5 s here).
         await _until(lambda: s.statistics().chunks_renewed >= 15, RENEW_EVERY * GRACE + 20)
         report = await _gc(cfg)
@@ -721,7 +738,7 @@ async def test_a_put_that_outlasts_the_grace_stores_again_what_went_meanwhile(tm
         done = await _start_until_paused(n, lambda: Importer(pool, Catalog(pool, writer="a1")).put_file(src, "/p"),
                                          reached)
         await _until(lambda: len(_chunk_files(tmp_path)) == 2 * 4, 60)
-        clock.ahead = AGE
+        clock.hours_pass()
         _age_chunks(tmp_path)
         report = await _gc(cfg)
         assert sum(s.deleted for s in report.stores) == 2 * 4
