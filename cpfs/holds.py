@@ -22,6 +22,12 @@ open.
 - `run()` (the daemon's nursery) owns the writes and deletions, and renews every hold each
   lease/RENEW_PARTS (a touch: its mtime is its lease; a store that lost it gets it again). At unmount
   `aclose()` deletes them all.
+- Renewals count on the pool's `ticks` (boot time), not trio's clock (CLOCK_MONOTONIC, which stops while
+  the host is suspended, or a VM paused): a host that slept for most of a lease renews its holds within
+  WATCH of waking, not an interval of trio's clock later, when the lease of every hold may have run out.
+  A sleep longer than the lease cannot be helped (nothing runs to renew): it is counted and logged as an
+  error naming the versions a gc meanwhile may have taken, as a hold no store took is. Likewise a hold
+  whose write came late because the host slept after the open counts as late (below).
 - Best effort: a store that refuses a write is logged and the others hold it (a store marked down is
   not asked: the pool logs it and probes it); gc reads every store. A hold no store took, or took
   later than SETTLE - DEFER after the open, is logged as an error: gc may take the version's chunks
@@ -69,6 +75,7 @@ DEFER = 1.0               # seconds: a version still open this long after its op
 SETTLE = 10.0             # seconds gc waits after reading the manifests before it lists the holds
 DROP_DELAY = 2.0          # seconds: a version let go of is deleted this late (unless taken again)
 RENEW_PARTS = 8           # every hold is touched again each lease / RENEW_PARTS
+WATCH = 1.0               # seconds of trio's clock between looks at the boot clock (a suspend stops trio's)
 READS = 32                # holds gc reads at once
 
 
@@ -112,6 +119,7 @@ class HoldStats:
     late: int            # holds a store took only after SETTLE - DEFER: a gc meanwhile may not have seen them
     renewed: int         # holds touched again (per store)
     deleted: int         # holds deleted once let go of (per store)
+    lapsed: int          # renewals that came later than the lease (the host slept): holds gc may have missed
 
 
 class _Held:
@@ -120,11 +128,11 @@ class _Held:
 
     __slots__ = ("manifest", "key", "users", "taken_at", "due", "writing", "settled", "stores", "left_at")
 
-    def __init__(self, manifest: Manifest, key: str, now: float) -> None:
+    def __init__(self, manifest: Manifest, key: str, now: float, tick: float) -> None:
         self.manifest = manifest
         self.key = key
         self.users = 0
-        self.taken_at = now
+        self.taken_at = tick              # the open, on the pool's ticks (boot time: a suspend counts)
         self.due = now + DEFER
         self.writing = False              # its write has started (then the stores may hold it)
         self.settled = trio.Event()       # set once every store's put of its latest write ended (a new
@@ -152,27 +160,28 @@ class Holds:
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
         self._writes = self._skipped = self._failed = self._late = self._renewed = self._deleted = 0
+        self._lapsed = 0
 
     def statistics(self) -> HoldStats:
         used = [h for h in self._held.values() if h.users]
         return HoldStats(versions=len(used), chunks=len({c.digest for h in used for c in h.manifest.chunks}),
                          objects=sum(1 for h in self._held.values() if h.writing), writes=self._writes,
                          skipped=self._skipped, failed=self._failed, late=self._late,
-                         renewed=self._renewed, deleted=self._deleted)
+                         renewed=self._renewed, deleted=self._deleted, lapsed=self._lapsed)
 
     def take(self, m: Manifest, *, at_once: bool = False) -> Hashable:
         """Hold version `m` until `drop` of the token returned: on the stores once it has been open
         for DEFER without a break (`at_once`: from now: a write session's base, see the module doc)."""
         token = token_of(m)
-        now = trio.current_time()
+        now, tick = trio.current_time(), self.pool.ticks()
         h = self._held.get(token)
         if h is None:
             self._serial += 1
-            h = self._held[token] = _Held(m, f"{PREFIX}{self.ident}.{self._serial}.json", now)
+            h = self._held[token] = _Held(m, f"{PREFIX}{self.ident}.{self._serial}.json", now, tick)
         elif h.users == 0 and not h.writing:
             # Let go of and taken again before its write: DEFER counts from this open (the invariant
             # is about how long a version stays open without a break).
-            h.taken_at, h.due = now, now + DEFER
+            h.taken_at, h.due = tick, now + DEFER
         h.users += 1
         h.left_at = None
         if at_once and not h.writing:
@@ -194,14 +203,17 @@ class Holds:
             self._nursery = n
             task_status.started()
             every = self.lease / RENEW_PARTS
-            renew_at = trio.current_time() + every
+            renewed_at = self.pool.ticks()           # boot time (see the module doc)
             while True:
                 self._wake = trio.Event()
-                now = trio.current_time()
-                if now >= renew_at:
-                    renew_at = now + every
-                    n.start_soon(self._renew, [h for h in self._held.values() if h.writing])
-                times = [renew_at]
+                now, tick = trio.current_time(), self.pool.ticks()
+                if tick - renewed_at >= every:
+                    held = [h for h in self._held.values() if h.writing]
+                    if tick - renewed_at > self.lease and held:
+                        self._lapse(held, tick - renewed_at)
+                    renewed_at = tick
+                    n.start_soon(self._renew, held)
+                times = [now + min(renewed_at + every - tick, WATCH)]
                 for token, h in list(self._held.items()):
                     if h.users == 0 and h.left_at is not None:
                         if h.left_at + DROP_DELAY > now:
@@ -219,6 +231,14 @@ class Holds:
                             times.append(h.due)
                 with trio.move_on_at(min(times)):
                     await self._wake.wait()
+
+    def _lapse(self, held: list[_Held], since: float) -> None:
+        """Renewals came `since` seconds (boot time) after the last ones, past the lease: the host slept."""
+        self._lapsed += 1
+        log.error("the holds of this mount were last renewed %.0fs ago (the host was suspended or paused), past "
+                  "their lease of %gs: a gc meanwhile may have deleted the chunks of %s, once newer commits retired "
+                  "them; renewing them now", since, self.lease,
+                  ", ".join(sorted(f"{h.manifest.path}@{h.manifest.version}" for h in held)))
 
     async def aclose(self) -> None:
         """At unmount: nothing is open any more, every hold goes."""
@@ -244,7 +264,7 @@ class Holds:
                     return
                 if not h.stores:          # the first store to take it (no store held it before)
                     self._writes += 1
-                    took = trio.current_time() - h.taken_at
+                    took = self.pool.ticks() - h.taken_at
                     if took > SETTLE - DEFER:
                         self._late += 1
                         log.error("the hold %s of %s reached a store %.1fs after the open: a gc meanwhile "

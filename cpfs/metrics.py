@@ -213,6 +213,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
                         "Holds a store took only after gc's settle: alert on it."),
     ("holds", "renewed"): ("cpfs_holds_renewed_total", "counter", "Holds touched again (per store)."),
     ("holds", "deleted"): ("cpfs_holds_deleted_total", "counter", "Holds deleted once let go of (per store)."),
+    ("holds", "lapsed"): ("cpfs_holds_lapsed_total", "counter",
+                          "Renewals later than the lease (the host slept): alert on it."),
     # the mount (cpfs.fs)
     ("mount", "files"): ("cpfs_files", "gauge", "Files in the mount's namespace."),
     ("mount", "retired"): ("cpfs_files_unlinked_open", "gauge", "Files removed while still open."),

@@ -141,9 +141,10 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         lines.append(f"holds (open versions kept from gc): {h['versions']} versions, {h['chunks']} chunks, "
                      f"{h['objects']} on the stores; {h['writes']} written, {h['skipped']} closed too soon to "
                      f"need one, {h['renewed']} renewed, {h['deleted']} deleted")
-        if h["failed"] or h["late"]:
-            lines.append(f"WARNING: {h['failed']} holds no store took and {h['late']} that a store took late: gc "
-                         f"may have taken those versions' chunks once newer commits retired them (the log names them)")
+        if h["failed"] or h["late"] or h["lapsed"]:
+            lines.append(f"WARNING: {h['failed']} holds no store took, {h['late']} that a store took late and "
+                         f"{h['lapsed']} renewals later than the lease (the host slept): gc may have taken "
+                         f"those versions' chunks once newer commits retired them (the log names them)")
     if cat := now.get("catalog"):
         lines.append(f"commits: {cat['commits']} ({cat['failed_commits']} failed, {cat['voided']} of them voided "
                      f"where a copy stayed), {cat['transactions']} transactions")

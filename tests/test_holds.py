@@ -20,11 +20,11 @@ import pytest
 import trio
 
 from cpfs.gc import GarbageCollector
-from cpfs.holds import DEFER, PREFIX, Holds
+from cpfs.holds import DEFER, PREFIX, WATCH, Holds
 from cpfs.errors import StoreUnavailable
 from cpfs.store import FaultyStore, Store, StoreWrapper
 from tests.conftest import ROOT, cpfs
-from tests.test_gc import (GRACE, SIZE, Writer, _age_chunks, _chunk_files, _config, _digests, _gc,
+from tests.test_gc import (GRACE, SIZE, Clock, Writer, _age_chunks, _chunk_files, _config, _digests, _gc,
                            _missing_copies, _pool, _stores_root)
 
 
@@ -221,6 +221,60 @@ async def test_a_hold_is_renewed_while_open_and_written_again_where_a_store_lost
         _age_chunks(tmp_path)
         report = await GarbageCollector(_pool(cfg), grace=GRACE, settle=0).run()
         assert report.held == len(_digests([first])) and _missing_copies(tmp_path, first) == []
+
+
+async def test_a_host_waking_from_a_suspend_renews_its_holds_at_once(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Renewals count on boot time. trio's clock (CLOCK_MONOTONIC) stops while the host is suspended (or
+    its VM paused), so a host that slept for most of a lease renewed its holds an interval of trio's clock
+    after waking: past their lease, when a gc may take a retired version open here. Now it renews within
+    WATCH of waking; a sleep past the lease is counted and logged, naming the version. The suspend: the
+    pool's ticks and the stores' ages move on, trio's clock does not."""
+    cfg = _config(tmp_path)
+    w, data, first = await _retired_version(tmp_path, cfg)
+    clock = Clock()
+    lease = 80.0                                        # renewed every 10 s of boot time
+
+    def suspend(seconds: float) -> None:
+        clock.passed += seconds
+        then = time.time() - seconds
+        for p in _hold_files(tmp_path):
+            os.utime(p, (then, then))
+
+    def fresh() -> bool:
+        return all(p.stat().st_mtime > time.time() - 5 for p in _hold_files(tmp_path))
+
+    async with _running(Holds(_pool(cfg, clock=clock), lease=lease)) as holds:
+        holds.take(first, at_once=True)
+        await _until(lambda: len(_hold_files(tmp_path)) == 3)
+        suspend(0.875 * lease)                          # within the lease
+        await _until(fresh, timeout=3 * WATCH)
+        _age_chunks(tmp_path)
+        report = await GarbageCollector(_pool(cfg), grace=GRACE, settle=0).run()
+        assert report.holds == 3 and report.held == len(_digests([first]))
+        assert _missing_copies(tmp_path, first) == [] and holds.statistics().lapsed == 0
+        suspend(1.125 * lease)                          # past it: nothing could renew meanwhile
+        await _until(fresh, timeout=3 * WATCH)
+        assert holds.statistics().lapsed == 1
+        assert [r for r in caplog.records if r.levelname == "ERROR" and "suspended" in r.getMessage()
+                and "/ckpt.pt@1" in r.getMessage()]
+
+
+async def test_a_hold_written_after_the_host_slept_past_the_settle_counts_as_late(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A host suspended between an open and its hold's write (DEFER of trio's clock, which the suspend
+    stopped) wrote the hold after gc's SETTLE may have passed: that is late, counted and logged as one a
+    slow store took late is (before, it was measured on trio's clock and looked on time)."""
+    cfg = _config(tmp_path)
+    w, data, first = await _retired_version(tmp_path, cfg)
+    clock = Clock()
+    async with _running(Holds(_pool(cfg, clock=clock))) as holds:
+        holds.take(first)
+        clock.passed += 20.0                            # asleep right after the open
+        await _until(lambda: holds.statistics().writes == 1)
+        assert holds.statistics().late == 1
+        assert [r for r in caplog.records if r.levelname == "ERROR" and "/ckpt.pt@1" in r.getMessage()
+                and "after the open" in r.getMessage()]
 
 
 async def test_a_hold_gc_cannot_read_makes_it_refuse_to_delete_anything(tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ DOC = {
     "learned": {"recordings": 3, "learned": 4, "replayed": 2, "strayed": 1, "shared_gets": 5, "shared_got": 2,
                 "shared_puts": 4, "shared_errors": 1},
     "holds": {"versions": 2, "chunks": 40, "objects": 2, "writes": 3, "skipped": 7, "failed": 0, "late": 1,
-              "renewed": 6, "deleted": 3},
+              "renewed": 6, "deleted": 3, "lapsed": 1},
     "buffers": {"buffers": 25, "bytes": 131072000, "keep": 134217728, "reused": 259, "larger": 223, "allocated": 27},
     "replicas": {"hedges": 4, "hedges_over_budget": 3, "hedge_tokens": 0.25},
     "mount": {"files": 1},
@@ -95,6 +95,7 @@ def test_render_names_types_and_labels_every_figure() -> None:
     assert m["cpfs_learned_plans_total"] == {"": 2} and m["cpfs_learned_plans_left_total"] == {"": 1}
     assert m["cpfs_learned_shared_recordings_total"] == {"": 2} and m["cpfs_learned_shared_errors_total"] == {"": 1}
     assert m["cpfs_holds_versions"] == {"": 2} and m["cpfs_holds_late_total"] == {"": 1}
+    assert m["cpfs_holds_lapsed_total"] == {"": 1}
     assert m["cpfs_read_buffers_ready_bytes"] == {"": 134217728} and m["cpfs_read_buffers_mapped_total"] == {"": 27}
     assert m["cpfs_hedges_over_budget_total"] == {"": 3} and m["cpfs_hedge_budget_tokens"] == {"": 0.25}
     assert not any("time" in name or "reason" in name for name in m)
