@@ -132,7 +132,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             ops.nursery = n
 
             async def announce() -> None:
-                await trio.to_thread.run_sync(os.stat, mountpoint)
+                ops.device = (await trio.to_thread.run_sync(os.stat, mountpoint)).st_dev   # cpfs/openers.py
                 await trio.to_thread.run_sync(_set_kernel_readahead, mountpoint, config.read_ahead_kb)
                 # The ready read buffers (cpfs/buffers.py), before the launcher returns: their first
                 # touches belong to starting the mount, not to the first load.

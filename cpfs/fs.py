@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from . import buffers, plan, stats
+from . import buffers, openers, plan, stats
 from .catalog import Catalog, Unreadable
 from .chunking import READ_BLOCK
 from .config import Config
@@ -143,6 +143,7 @@ class Handle:
     data: bytes | None = None            # the control file's content, made at open
     direct: bool = False                 # opened O_DIRECT: the kernel caches no read of it
     hold: Hashable | None = None         # the hold on the reader's version (cpfs/holds.py)
+    opener: int = 0                      # the thread that opened a writable handle (cpfs/openers.py)
 
 
 @dataclass
@@ -184,6 +185,7 @@ class CpfsOperations(pyfuse3.Operations):
         self._uid, self._gid = os.getuid(), os.getgid()
         self._upload_slots = trio.CapacityLimiter(config.fetch_concurrency)
         self._staging_io = trio.CapacityLimiter(4)
+        self._proc_reads = trio.CapacityLimiter(2)      # /proc, at closes of files written (openers.py)
         self._refreshed = 0.0
         self._refresh_lock = trio.Lock()
         self._control = Node(stats.CONTROL_INO, "/" + stats.CONTROL_NAME, False)
@@ -193,6 +195,8 @@ class CpfsOperations(pyfuse3.Operations):
         self.plans = plan.Board(scheduler)      # declared prefetch, per file (cpfs/plan.py)
         self.learner = learner                  # learned prefetch, per open (cpfs/learned.py)
         self.holds = holds                      # the versions open here, kept from gc (cpfs/holds.py)
+        self.device: int | None = None          # the mount's st_dev, set by the daemon once it is live
+        self._closes_not_last = 0               # closes while the writer still held the file (openers.py)
         now = time.time_ns()
         root = self.ns.node(pyfuse3.ROOT_INODE)   # attributes of this mount's own (see the module doc)
         root.summary = Summary(path="/", size=0, mtime_ns=now, mode=0o755, version=0, directory=True,
@@ -453,7 +457,8 @@ class CpfsOperations(pyfuse3.Operations):
     def statistics_document(self) -> bytes:
         """Every layer's statistics() as the JSON document `.cpfs-stats` and the metrics server serve."""
         mount = {"files": sum(1 for n in self.ns.nodes.values() if not n.is_dir), "retired": len(self.ns.retired),
-                 "open_handles": len(self.handles), "writing": len(self.writing)}
+                 "open_handles": len(self.handles), "writing": len(self.writing),
+                 "closes_not_last": self._closes_not_last}
         return stats.collect(pool=self.catalog.pool, catalog=self.catalog, scheduler=self.sched, mount=mount,
                              plans=self.plans.statistics() + (self.learner.plans() if self.learner else []),
                              learned=self.learner.statistics() if self.learner else None,
@@ -648,7 +653,7 @@ class CpfsOperations(pyfuse3.Operations):
         direct = bool(flags & os.O_DIRECT)       # the kernel caches no read of this open
         if flags & os.O_ACCMODE != os.O_RDONLY:
             await self._session(node, truncate=bool(flags & os.O_TRUNC))
-            fh = self._new_handle(Handle(node, writable=True, direct=direct))
+            fh = self._new_handle(Handle(node, writable=True, direct=direct, opener=ctx.pid))
             return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=True)
         if node.ino in self.writing or node.summary is None:
             return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, direct=direct)), keep_cache=True)
@@ -713,7 +718,7 @@ class CpfsOperations(pyfuse3.Operations):
             raise
         w.session.set_attributes(**self._owner(parent, ctx))
         self._entries_changed(parent)
-        fh = self._new_handle(Handle(node, writable=True))
+        fh = self._new_handle(Handle(node, writable=True, opener=ctx.pid))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self.attributes(node)
 
     @boundary
@@ -749,10 +754,28 @@ class CpfsOperations(pyfuse3.Operations):
 
     @boundary
     async def flush(self, fh: int) -> None:
-        """Every close() of a writable handle commits: close returns once the version is durable."""
+        """The writer's close() of a writable handle commits: close returns once the version is durable.
+        A close while the writer still holds the file open for writing commits nothing: a forked child's
+        (its exit, an exec's closing of descriptors) or a dup's (cpfs/openers.py)."""
         h = self.handles[fh]
         if h.writable:
+            if await self._writer_holds(h):
+                self._closes_not_last += 1
+                return
             await self._commit(h.node)
+
+    async def _writer_holds(self, h: Handle) -> bool:
+        """Whether the process that opened `h` still has the file open for writing (so this close is
+        another's); False whenever /proc cannot tell, and for a file with no session (nothing to commit)."""
+        device, node = self.device, h.node
+        if device is None or not h.opener or node.ino not in self.writing:
+            return False
+        names = [posixpath.basename(p) for p in node.names]
+
+        def ask() -> bool:
+            pid = openers.process_of(h.opener)
+            return pid is not None and openers.holds_for_writing(pid, device, node.ino, names) is True
+        return await trio.to_thread.run_sync(ask, limiter=self._proc_reads)
 
     @boundary
     async def fsync(self, fh: int, datasync: bool) -> None:

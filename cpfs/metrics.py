@@ -220,6 +220,9 @@ METRICS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("mount", "retired"): ("cpfs_files_unlinked_open", "gauge", "Files removed while still open."),
     ("mount", "open_handles"): ("cpfs_open_handles", "gauge", "Open file handles."),
     ("mount", "writing"): ("cpfs_files_being_written", "gauge", "Files being written."),
+    ("mount", "closes_not_last"): ("cpfs_closes_not_committed_total", "counter",
+                                   "Closes of a file while its writer still held it open for writing (a fork's, "
+                                   "a dup's): no commit."),
 }
 SKIP = {"time"}                 # document fields that are not figures
 
