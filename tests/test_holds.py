@@ -452,7 +452,7 @@ def test_a_write_session_keeps_its_base_through_retirement_and_gc(tmp_path: Path
     version is held while the session runs. Here the base is retired by three commits from another
     host and a gc runs (every chunk aged) before the close; the version the close commits reads back
     whole on a fresh mount (its unchanged chunks were not deleted). The other host and the gc run in
-    this process: a fork would close the open file in the child, a flush that commits it early."""
+    this process."""
     cfg = _config(tmp_path)
     with open(cfg, "a") as f:
         f.write(f'[mount]\nstaging = "{tmp_path / "staging"}"\n')

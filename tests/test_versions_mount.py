@@ -83,7 +83,7 @@ def test_rename_of_an_uncommitted_file_over_a_committed_one_keeps_the_target_unt
     cfg = config(make_config, tmp_path)
     put(cfg, tmp_path, "/target.pt", b"the last good checkpoint" * 1000)
     m = mount(cfg)
-    # The writer is another process: a fork of the test (cpfs cat) would close, and so flush, its fd.
+    # The writer is another process, which the test leaves running while it kills the daemon.
     writer = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time\n"
         f"fd = os.open({str(m.path / 'tmp.pt')!r}, os.O_WRONLY | os.O_CREAT, 0o644)\n"
