@@ -136,7 +136,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     lines.append(f"replicas: {r['reads']} reads{batched}, {r['fallbacks']} fallbacks, {r['hedges']} hedges "
                  f"({r['hedges_won']} won{held}), {r['repairs_dropped']} repairs dropped")
     m = now["mount"]
-    lines.append(f"mount: {m['files']} files, {m['open_handles']} open handles, {m['writing']} being written")
+    lines.append(f"mount: {m['files']} files, {m['open_handles']} open handles, {m['writing']} being written"
+                 + (f", {m['closes_not_last']} closes that were not the writer's last (forks, dups: no commit)"
+                    if m.get("closes_not_last") else ""))
     if h := now.get("holds"):
         lines.append(f"holds (open versions kept from gc): {h['versions']} versions, {h['chunks']} chunks, "
                      f"{h['objects']} on the stores; {h['writes']} written, {h['skipped']} closed too soon to "

@@ -109,6 +109,7 @@ def test_a_checkpoint_saved_while_the_saver_forks_commits_once_at_its_close(make
                 assert _log(cfg, "/ckpt.pt") == [(1, "ok")]
     assert _log(cfg, "/ckpt.pt") == [(2, "ok"), (1, "ok")]
     assert _closes_not_last(m.path) >= 3      # and the forks of `cpfs log` above (a subprocess each)
+    assert b"closes that were not the writer's last" in cpfs("stats", str(m.path)).stdout
     got = torch.load(m.path / "ckpt.pt", weights_only=True)
     assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors)
 
