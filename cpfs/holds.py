@@ -24,7 +24,7 @@ open.
   `aclose()` deletes them all.
 - Renewals count on the pool's `ticks` (boot time), not trio's clock (CLOCK_MONOTONIC, which stops while
   the host is suspended, or a VM paused): a host that slept for most of a lease renews its holds within
-  WATCH of waking, not an interval of trio's clock later, when the lease of every hold may have run out.
+  TICKS_WATCH of waking, not an interval of trio's clock later, when every hold's lease may have run out.
   A sleep longer than the lease cannot be helped (nothing runs to renew): it is counted and logged as an
   error naming the versions a gc meanwhile may have taken, as a hold no store took is. Likewise a hold
   whose write came late because the host slept after the open counts as late (below).
@@ -63,7 +63,7 @@ import trio
 
 from .errors import ManifestError, NoSuchObject, StoreError
 from .manifest import Manifest
-from .pool import StorePool
+from .pool import TICKS_WATCH, StorePool
 from .sync import fan_out
 from .upload import in_parallel
 
@@ -75,7 +75,6 @@ DEFER = 1.0               # seconds: a version still open this long after its op
 SETTLE = 10.0             # seconds gc waits after reading the manifests before it lists the holds
 DROP_DELAY = 2.0          # seconds: a version let go of is deleted this late (unless taken again)
 RENEW_PARTS = 8           # every hold is touched again each lease / RENEW_PARTS
-WATCH = 1.0               # seconds of trio's clock between looks at the boot clock (a suspend stops trio's)
 READS = 32                # holds gc reads at once
 
 
@@ -213,7 +212,7 @@ class Holds:
                         self._lapse(held, tick - renewed_at)
                     renewed_at = tick
                     n.start_soon(self._renew, held)
-                times = [now + min(renewed_at + every - tick, WATCH)]
+                times = [now + min(renewed_at + every - tick, TICKS_WATCH)]
                 for token, h in list(self._held.items()):
                     if h.users == 0 and h.left_at is not None:
                         if h.left_at + DROP_DELAY > now:

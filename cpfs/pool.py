@@ -88,6 +88,8 @@ EXPLORE_EVERY = 32           # a known-slow store is asked along with the first 
 BACKGROUND_BYTES = 64 * 1024**2  # blob bytes that writes returned at quorum may leave in flight...
 BACKGROUND_WRITES = 256      # ... and writes (manifests are small): beyond either, a write waits
 SHUTDOWN_GRACE = 10.0        # seconds background puts get when run() is cancelled, then abandoned
+TICKS_WATCH = 1.0            # seconds of trio's clock between looks at the boot clock (`ticks`) by a task
+#                              that acts on ages: trio's clock (CLOCK_MONOTONIC) stops while the host is suspended
 
 
 def boottime() -> float:

@@ -19,7 +19,8 @@ RENEW_AGE of gc_grace (at most 5/8 of the grace old, at any moment, plus the tim
 counted on the pool's `ticks` (boot time), not the wall clock: a copy's mtime is read against the wall clock
 once, when the chunk is stored, and a later step of that clock (NTP correcting a clock that ran fast)
 moves no renewal. Before, a step back of more than 3/8 of the grace during a save held its renewals back
-past the grace of a gc on a host whose clock was right. Before a
+past the grace of a gc on a host whose clock was right. The passes count on the ticks too (trio's clock
+stops while the host is suspended): a host that wakes renews within TICKS_WATCH. Before a
 commit, `unsure` renews what is due and names the chunks whose copies went anyway (a daemon frozen for
 longer than the grace, a store wiped, a renewal a store refused): their owner stores them again (from
 staging, or from a copy left elsewhere) or fails the commit, so a manifest never names a chunk a gc took.
@@ -42,7 +43,7 @@ from .buffers import BufferPool
 from .errors import CpfsError
 from .manifest import ChunkEntry
 from .placement import place
-from .pool import StorePool
+from .pool import TICKS_WATCH, StorePool
 from .sync import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -140,10 +141,16 @@ class Uploader:
     # ------------------------------------------------------------------ renewal (see the module doc)
 
     async def keep_fresh(self) -> None:
-        """Renew what is due every RENEW_EVERY of gc_grace, until cancelled (the file's close)."""
+        """Renew what is due every RENEW_EVERY of gc_grace, until cancelled (the file's close). The interval
+        counts on the pool's ticks, looked at every TICKS_WATCH: trio's clock stops while the host is
+        suspended, and a host that wakes renews at once, not an interval of trio's clock later."""
+        every = self._cfg.gc_grace * RENEW_EVERY
+        passed = self._pool.ticks()
         while True:
-            await trio.sleep(self._cfg.gc_grace * RENEW_EVERY)
-            await self.renew_due()
+            await trio.sleep(min(every, TICKS_WATCH))
+            if self._pool.ticks() - passed >= every:
+                passed = self._pool.ticks()
+                await self.renew_due()
 
     async def renew_due(self) -> None:
         """Touch the copies of every chunk not yet named by a commit that may be RENEW_AGE old."""

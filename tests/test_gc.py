@@ -32,7 +32,7 @@ from cpfs.gc import GarbageCollector, GcReport
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest, path_hash
 from cpfs.placement import place
-from cpfs.pool import StorePool, boottime
+from cpfs.pool import TICKS_WATCH, StorePool, boottime
 from cpfs.store import FaultyStore, Store, StoreWrapper, ThrottledStore, open_store
 from cpfs.store.directory import TMP_SUFFIX
 from cpfs.upload import RENEW_EVERY
@@ -616,12 +616,12 @@ class OpenFile:
         return WriteSession(self.pool, self.catalog, self.path, staging_dir=self.tmp_path / "staging",
                             nursery=nursery)
 
-    def hours_pass(self, copies: set[Path]) -> None:
-        """AGE seconds go by: on this mount's clocks, and for the copies' mtimes."""
-        self.clock.hours_pass()
+    def hours_pass(self, copies: set[Path], seconds: float = AGE) -> None:
+        """`seconds` go by (AGE: two hours): on this mount's clocks, and for the copies' mtimes."""
+        self.clock.hours_pass(seconds)
         for p in copies:
             st = p.stat()
-            os.utime(p, (st.st_atime - AGE, st.st_mtime - AGE))
+            os.utime(p, (st.st_atime - seconds, st.st_mtime - seconds))
 
 
 async def _until(condition: Callable[[], bool], seconds: float) -> None:
@@ -663,6 +663,27 @@ async def test_a_file_open_for_hours_keeps_what_it_stored_while_gc_runs(tmp_path
     assert await Writer(tmp_path, cfg, "e5").read("/run/train.log") == first + second
     assert s.statistics().chunks_renewed >= 15 and s.statistics().chunks_lost == 0
     assert f.pool.replica_statistics().renewed >= 2 * 15
+
+
+async def test_a_file_open_for_writing_renews_at_once_when_its_host_wakes(tmp_path: Path) -> None:
+    """Renewal passes count on boot time, looked at every TICKS_WATCH: trio's clock stops while the host
+    is suspended, so a host that slept through most of the grace renewed gc_grace/8 of trio's clock after
+    waking, while a gc elsewhere could take the copies. gc_grace 10 min: a sleep of 6 min (the copies
+    past RENEW_AGE, within the grace) is followed by their renewal within 3 s (before: up to 75 s)."""
+    cfg = _config(tmp_path, gc_grace="10m")
+    f = OpenFile(tmp_path, cfg, "/run/train.log")
+    data = os.urandom(16 * 65536)
+    async with trio.open_nursery() as n:
+        s = f.session(n)
+        await s.write(0, data)
+        await _until(lambda: s.statistics().chunks_streamed >= 15, 120)
+        f.hours_pass(set(_chunk_files(tmp_path)), 0.6 * 600)
+        await _until(lambda: s.statistics().chunks_renewed >= 15, 3 * TICKS_WATCH)
+        assert s.statistics().chunks_renewed >= 15
+        m = await s.flush()
+        await s.aclose()
+    assert _missing_copies(tmp_path, m) == []
+    assert await Writer(tmp_path, cfg, "e6").read("/run/train.log") == data
 
 
 def _checkpoint(seed: int) -> bytes:

@@ -20,8 +20,9 @@ import pytest
 import trio
 
 from cpfs.gc import GarbageCollector
-from cpfs.holds import DEFER, PREFIX, WATCH, Holds
+from cpfs.holds import DEFER, PREFIX, Holds
 from cpfs.errors import StoreUnavailable
+from cpfs.pool import TICKS_WATCH
 from cpfs.store import FaultyStore, Store, StoreWrapper
 from tests.conftest import ROOT, cpfs
 from tests.test_gc import (GRACE, SIZE, Clock, Writer, _age_chunks, _chunk_files, _config, _digests, _gc,
@@ -228,7 +229,7 @@ async def test_a_host_waking_from_a_suspend_renews_its_holds_at_once(tmp_path: P
     """Renewals count on boot time. trio's clock (CLOCK_MONOTONIC) stops while the host is suspended (or
     its VM paused), so a host that slept for most of a lease renewed its holds an interval of trio's clock
     after waking: past their lease, when a gc may take a retired version open here. Now it renews within
-    WATCH of waking; a sleep past the lease is counted and logged, naming the version. The suspend: the
+    TICKS_WATCH of waking; a sleep past the lease is counted and logged, naming the version. The suspend: the
     pool's ticks and the stores' ages move on, trio's clock does not."""
     cfg = _config(tmp_path)
     w, data, first = await _retired_version(tmp_path, cfg)
@@ -248,13 +249,13 @@ async def test_a_host_waking_from_a_suspend_renews_its_holds_at_once(tmp_path: P
         holds.take(first, at_once=True)
         await _until(lambda: len(_hold_files(tmp_path)) == 3)
         suspend(0.875 * lease)                          # within the lease
-        await _until(fresh, timeout=3 * WATCH)
+        await _until(fresh, timeout=3 * TICKS_WATCH)
         _age_chunks(tmp_path)
         report = await GarbageCollector(_pool(cfg), grace=GRACE, settle=0).run()
         assert report.holds == 3 and report.held == len(_digests([first]))
         assert _missing_copies(tmp_path, first) == [] and holds.statistics().lapsed == 0
         suspend(1.125 * lease)                          # past it: nothing could renew meanwhile
-        await _until(fresh, timeout=3 * WATCH)
+        await _until(fresh, timeout=3 * TICKS_WATCH)
         assert holds.statistics().lapsed == 1
         assert [r for r in caplog.records if r.levelname == "ERROR" and "suspended" in r.getMessage()
                 and "/ckpt.pt@1" in r.getMessage()]
