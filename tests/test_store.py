@@ -24,7 +24,7 @@ from cpfs.store import (DirectoryStore, FaultyStore, MeteredStore, Store, StoreW
                         registry)
 from cpfs.store.metered import FETCH_SAMPLES
 from cpfs.store.directory import TMP_SUFFIX
-from tests.storekinds import STORE_FACTORIES
+from tests.storekinds import STORE_FACTORIES, folder_without_o_direct
 
 
 def _files(root: Path) -> list[str]:
@@ -238,6 +238,23 @@ async def test_directory_store_objects_are_files(tmp_path: Path) -> None:
     assert await store.list("chunk") == ["chunks/ab/ab01"]
     with pytest.raises(NoSuchObject):
         await store.head("chunks/ab")
+
+
+async def test_a_folder_that_refuses_o_direct_is_read_through_the_page_cache(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Chunk reads open with O_DIRECT where the folder's filesystem takes it. ramfs refuses it at the
+    open: the store says so once and reads every object after through the page cache, alone and in a
+    batch, with the bytes put (the contract suite runs over this kind too: `folder-no-odirect`)."""
+    caplog.set_level(logging.INFO, logger="cpfs.store.directory")
+    async with folder_without_o_direct(tmp_path, "s0") as store:
+        payloads = {f"chunks/ab/ab{i:02}": os.urandom(100_000 + 4097 * i) for i in range(6)}
+        for k, v in payloads.items():
+            await store.put(k, v)
+        limiter = trio.CapacityLimiter(2)
+        assert [await store.get_with(k, bytes, limiter) for k in payloads] == list(payloads.values())
+        assert await store.get_many_with([(k, bytes) for k in payloads], limiter) == list(payloads.values())
+    refused = [r for r in caplog.records if "O_DIRECT opens refused" in r.getMessage()]
+    assert len(refused) == 1 and "'s0'" in refused[0].getMessage()
 
 
 async def test_puts_leave_no_temp_files(tmp_path: Path) -> None:
