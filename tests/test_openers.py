@@ -10,9 +10,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,3 +158,58 @@ def test_the_writers_close_commits_while_a_child_still_holds_the_file(make_confi
         child.communicate(b"")
     assert (m.path / "out.bin").read_bytes() == data
     assert _log(cfg, "/out.bin") == [(1, "ok")]
+
+
+@pytest.mark.mount
+def test_a_saver_killed_after_its_children_closed_leaves_the_previous_version(make_config, tmp_path: Path,
+                                                                             mount) -> None:
+    """Rule one with closes that commit nothing: the saver writes half a checkpoint, a child's close is
+    skipped, another child keeps the descriptor, and the saver is killed (kill -9). Its exit's close
+    records the half as a failed version; the child's later exit adds nothing; the previous version
+    stays current and loads equal."""
+    torch = pytest.importorskip("torch")
+    cfg = _config(make_config, tmp_path)
+    m = mount(cfg)
+    v1 = {"w": torch.randn(512, 512)}
+    torch.save(v1, m.path / "ckpt.pt")
+    buf = io.BytesIO()
+    torch.save({"w": torch.randn(1024, 1024)}, buf)
+    (tmp_path / "half.bin").write_bytes(buf.getvalue()[:len(buf.getvalue()) // 2])
+    saver = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "f = open(sys.argv[1], 'wb')\n"
+        "f.write(open(sys.argv[2], 'rb').read())\n"
+        "f.flush()\n"
+        "if os.fork() == 0:\n"
+        "    os._exit(0)\n"                      # its close: not the writer's last
+        "os.wait()\n"
+        "keeper = os.fork()\n"
+        "if keeper == 0:\n"
+        "    time.sleep(60)\n"                   # holds the descriptor past the saver's death
+        "    os._exit(0)\n"
+        "print(keeper, flush=True)\n"
+        "time.sleep(60)\n"), str(m.path / "ckpt.pt"), str(tmp_path / "half.bin")],
+        stdout=subprocess.PIPE, text=True)
+    keeper = 0
+    try:
+        keeper = int(saver.stdout.readline())
+        assert _log(cfg, "/ckpt.pt") == [(1, "ok")] and _closes_not_last(m.path) >= 1
+        os.kill(saver.pid, signal.SIGKILL)
+        saver.wait()
+        deadline = time.monotonic() + 30
+        while _log(cfg, "/ckpt.pt")[0] != (2, "failed"):
+            assert time.monotonic() < deadline, _log(cfg, "/ckpt.pt")
+            time.sleep(0.1)
+    finally:
+        saver.kill()
+        saver.wait()
+        if keeper:
+            os.kill(keeper, signal.SIGKILL)     # the saver's child, started by this test's process tree
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{keeper}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _log(cfg, "/ckpt.pt") == [(2, "failed"), (1, "ok")]
+    got = torch.load(m.path / "ckpt.pt", weights_only=True)
+    assert torch.equal(got["w"], v1["w"])
+    got = torch.load(mount(cfg, "fresh").path / "ckpt.pt", weights_only=True)
+    assert torch.equal(got["w"], v1["w"])
