@@ -580,6 +580,7 @@ class FileReader:
         self.landing: tuple[Unit, float] | None = None
         self.planned = False
         self.expected: frozenset[int] | None = None
+        self.common: frozenset[int] = frozenset()   # ... of them, those every plan of the file takes
         self.unexpected = 0                 # bytes read away from what it was expected to read
         self.closed = False
         self._wake = trio.Event()
@@ -699,11 +700,14 @@ class FileReader:
             return any(u.offset in self.read_units for u in self._units_in(self.m.offsets[i], self.m.offsets[i + 1]))
         return {i for i in self.touched if i not in self.unused or read_near(i)}
 
-    def expect(self, chunks: frozenset[int]) -> None:
+    def expect(self, chunks: frozenset[int], common: frozenset[int] = frozenset()) -> None:
         """A plan learned from an earlier load fetches `chunks` for this open (cpfs/learned.py): until
         the reader lands outside them, its readahead prefetches nothing else. Per open, not per file
-        (a declaration is): ranks of one host reading different parts of one file each get their own."""
+        (a declaration is): ranks of one host reading different parts of one file each get their own.
+        `common`: those of them that come with every plan of the file (the head, torch's zip headers),
+        which say nothing of the tensors this open reads (`_watch`)."""
         self.expected = chunks
+        self.common = common
         self.planned = True
 
     def unplan(self) -> None:
@@ -1260,7 +1264,11 @@ class FileReader:
         kernel reading around a fault in an expected tensor; reads beyond it count, and the reader has
         left the plan once they are over STRAY_CHUNKS chunks and half of what it read: the kernel's
         readahead runs on past a tensor's end by a few MiB more or less each time, and a reader that
-        does something else (a whole load where a stage was recorded) reads on and on outside."""
+        does something else (a whole load where a stage was recorded) reads on and on outside.
+        Only the plan's tensor chunks are near in that sense, not the chunks every plan takes (`common`):
+        with records of 0.5-2 MiB a zip header lies within the kernel's reach of every read, and a whole
+        torch.load given the plan of torch.load(mmap=True)'s header-reading open never left it, each of
+        its tensors fetched on demand."""
         assert self.sched.watcher is not None
         declared = self.sched.declared(self.inode, self.m)
         self.planned = self.planned or declared is not None
@@ -1282,7 +1290,8 @@ class FileReader:
                     return
         expected = self.expected
         lo, hi = max(0, offset - self.slack), min(self.m.size, end + self.slack)
-        if expected is None or header or any(i in expected for i in self.m.chunk_range(lo, hi - lo)):
+        if expected is None or header or any(i in expected and i not in self.common
+                                             for i in self.m.chunk_range(lo, hi - lo)):
             return
         self.unexpected += end - offset
         if self.unexpected > max(STRAY_CHUNKS * self.m.chunk_size, self.read_bytes // 2):
