@@ -62,8 +62,8 @@ from .config import Config, staging_dir, store_set_id
 from .errors import CpfsError, NoSuchObject
 from .manifest import Manifest
 from .placement import place
-from .plan import KEPT, Plan, PlanStats, zip_header_chunks
-from .readahead import SLICE_TOLERANCE, FileReader, Layout, Scheduler, Unit
+from .plan import KEPT, Plan, PlanStats
+from .readahead import SLICE_TOLERANCE, FileReader, Layout, Scheduler, Unit, zip_header_chunks
 from .store.directory import reap_temporaries, write_durably
 from .tensor_index import TensorIndex
 

@@ -40,11 +40,10 @@ from dataclasses import asdict, dataclass
 
 import trio
 
-from .chunking import LEAD, TAIL
 from .errors import CpfsError
 from .manifest import Manifest
 from .pagecache import PageFeeder
-from .readahead import Layout, Scheduler, layout_for, page_chunks
+from .readahead import Scheduler, layout_for, page_chunks, zip_header_chunks
 from .tensor_index import TensorIndex
 
 log = logging.getLogger(__name__)
@@ -52,7 +51,6 @@ log = logging.getLogger(__name__)
 XATTR = "user.cpfs.prefetch"
 STALE = 1.0        # seconds: a plan set again pushes again what went to the kernel this long ago (Plan.run)
 KEPT = 64          # finished plans whose figures stay readable (the attribute, `cpfs stats`)
-HEADER_CHUNK_MAX = 4 * (LEAD + TAIL)    # a chunk this small holding a zip header comes with any torch plan
 
 
 class PlanError(CpfsError):
@@ -91,28 +89,6 @@ def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[st
         wanted.update(page_chunks(manifest, offset, length))
     wanted.update(zip_header_chunks(manifest, index, layout))
     return [i for i in layout.plan if i in wanted], len(matched)
-
-
-def zip_header_chunks(manifest: Manifest, index: TensorIndex, layout: Layout) -> set[int]:
-    """The chunks of a torch file's zip local headers that any plan of it takes: torch.load reads the
-    header of every storage in data.pkl, the ones never used too (mmap=True as well). The chunk holding
-    the bytes before a record's data comes if it is that header's own: outside every record, or a
-    small one reaching into the record (chunking.py cuts a big record's header into a chunk of ~LEAD +
-    TAIL bytes). A header among small records shares a chunk with their data, and is read on demand.
-    None for other formats."""
-    if index.format != "torch-zip":
-        return set()
-    data: set[int] = set()              # chunks holding bytes of some storage
-    for u in layout.units:
-        data.update(range(u.first, u.last + 1))
-    out: set[int] = set()
-    for r in index.records:
-        if "/data/" in r.name and 0 < r.offset < manifest.size:
-            i = manifest.chunk_at(r.offset - 1)
-            own = i not in data or manifest.offsets[i + 1] > r.offset
-            if own and manifest.chunks[i].raw_len <= HEADER_CHUNK_MAX:
-                out.add(i)
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -421,11 +421,15 @@ def test_a_version_open_through_the_mount_survives_retirement_and_gc(tmp_path: P
     cpfs("put", str(src), "/ckpt.bin", config=cfg)
     m = mount(cfg)
     with open(m.path / "ckpt.bin", "rb", buffering=0) as f:
+        def holds() -> dict:
+            return json.loads((m.path / ".cpfs-stats").read_bytes())["holds"]
+
         deadline = time.monotonic() + 10
-        while len(_hold_files(tmp_path)) < 3 and time.monotonic() < deadline:   # DEFER after the open
+        # DEFER after the open; the write counts once every store took its copy, a moment after the files
+        while (len(_hold_files(tmp_path)) < 3 or holds()["writes"] < 1) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(_hold_files(tmp_path)) == 3
-        doc = json.loads((m.path / ".cpfs-stats").read_bytes())["holds"]
+        doc = holds()
         assert doc["versions"] == 1 and doc["objects"] == 1 and doc["writes"] == 1
         assert b"holds (open versions kept from gc): 1 versions" in cpfs("stats", str(m.path)).stdout
         for _ in range(3):

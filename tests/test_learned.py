@@ -363,7 +363,8 @@ async def test_torch_loads_zip_header_reads_are_learned_and_replayed_all_at_once
     """torch.load(mmap=True) reads every record's zip header through an open of its own, one small read
     after another (a store round trip each when cold). That open is learned too: the next one gets
     every header's chunk at once at its first header read, and its later header reads find them with
-    the kernel."""
+    the kernel. (Unlearned, the readahead fetches them all at the second header read: the plan saves
+    that one round trip.)"""
     store = FakeStore(latency=0.008)
     path = tmp_path / "learned.json"
     m, data, index, headers = cut_checkpoint(store)
@@ -397,7 +398,7 @@ async def test_torch_loads_zip_header_reads_are_learned_and_replayed_all_at_once
     assert learner.statistics().replayed == 1
     touched = {i for h in headers for i in m.chunk_range(*header_read(h))}
     assert touched <= set(fetched(store, m))
-    assert second_reads <= 2 and second < first / 2
+    assert second_reads <= 2 and second_reads < first_reads and second < first
 
 
 def test_the_schema_is_the_models_not_the_files_and_spans_map_back_to_chunks() -> None:

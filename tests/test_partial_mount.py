@@ -347,7 +347,9 @@ def test_a_whole_load_after_an_mmap_load_of_many_small_tensors_still_streams(mak
     got = torch.load(m.path / "opt.pt", weights_only=True)
     assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
     _, doc = fetched_bytes(m, cfg)
-    [load] = [f for f in doc["scheduler"]["files"] if f["path"] == "/opt.pt" and f["read_bytes"] > size // 2]
+    # The load's open: the one that fetched the file (its reads reach the mount only for what the
+    # kernel lacked, a share that varies with how far the pushes ran ahead).
+    load = max((f for f in doc["scheduler"]["files"] if f["path"] == "/opt.pt"), key=lambda f: f["fetched_bytes"])
     print(f"\nlearned {doc['learned']}; the load's open: {load}")
     assert doc["learned"]["replayed"] >= 1          # it got the mmap load's plan ...
     assert load["demand_fetches"] <= len(sd) // 4   # ... and left it: most tensors came by readahead
