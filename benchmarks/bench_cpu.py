@@ -8,6 +8,8 @@ simulated latency: this measures CPU, not the network), then, per shape:
   /proc, before and after the load) per GiB; then warm loads on the same mount: torch.load, mmap=True
   (load + first read of every tensor) and safetensors (safetensors.torch.load_file of the same tensors
   + first read of every tensor);
+- cold mmap: torch.load(mmap=True) + a first read of every tensor, cold, from local disk and through a
+  fresh mount (its daemon's CPU seconds too);
 - passthrough: the same cold torch.load through benchmarks/passthrough.py serving the checkpoint's
   folder (the baseline peer: no cache, no prefetch, no checksums), its daemon's CPU seconds per GiB.
 Every timed load runs in a fresh python after writing and freeing twice the file's size of memory
@@ -286,6 +288,15 @@ def run(args: argparse.Namespace) -> int:
                         notes.append(f"round {rnd + 1} {s}: the daemon spent {warm_cpu:.2f} CPU-s during the "
                                      f"warm loads: the kernel page cache was dropped meanwhile (another "
                                      f"process's drop_caches?), so those warm rows include fetches")
+                # mmap=True cold: the direct file, then a fresh mount (torch's zip-header open, then the mapping)
+                r = timed_load(pt, cold=True, mmap=True, touch=touch, fingerprint=False)
+                results[(s, "direct cold mmap")].seconds.append(r.total_seconds)
+                with mounted(cfg, mp, work / f"{s}-{rnd}-mmap.log") as m:
+                    mounts.append((f"{s}, round {rnd + 1}, cold mmap", m))
+                    c0 = cpu_seconds(m.pid)
+                    r = timed_load(mp / mine, cold=True, mmap=True, touch=touch, fingerprint=False)
+                    results[(s, "cpfs cold mmap")].seconds.append(r.total_seconds)
+                    results[(s, "cpfs cold mmap")].cpu.append(cpu_seconds(m.pid) - c0)
                 # the naive pass-through peer
                 p = Passthrough(pt.parent, work / "pt-mnt")
                 try:
@@ -347,6 +358,7 @@ def report(results: dict[tuple[str, str], Result], sizes: dict[str, int], args: 
         rows = []
         for kind, base in (("direct cold", "direct cold"), ("cpfs cold", "direct cold"),
                            ("passthrough cold", "direct cold"),
+                           ("direct cold mmap", "direct cold mmap"), ("cpfs cold mmap", "direct cold mmap"),
                            ("direct warm", "direct warm"), ("cpfs warm", "direct warm"),
                            ("direct warm mmap", "direct warm mmap"), ("cpfs warm mmap", "direct warm mmap"),
                            ("direct warm safetensors", "direct warm safetensors"),
