@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .common import (GiB, MiB, ROOT, BenchError, drop_caches, ensure_imported, human, is_mounted, mounted,
-                     parse_size, print_daemon_report, print_table, remove_tree, run_child, timed_load,
+from .common import (GiB, MiB, ROOT, BenchError, drop_caches, ensure_imported, human, is_mounted, leave_work,
+                     mounted, parse_size, print_daemon_report, print_table, run_child, timed_load,
                      touch_memory)
 
 DATA = ROOT / "demo-data" / "cpu"
@@ -328,10 +328,7 @@ def run(args: argparse.Namespace) -> int:
             print_daemon_report(m, title, tail=20)
         return 1
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            remove_tree(work)
+        leave_work(work, args.keep)
 
     report(results, sizes, args)
     for n in notes:

@@ -17,8 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import (GiB, MiB, BenchError, Mount, ensure_imported, human, mounted, parse_size,
-                     print_daemon_report, print_table, remove_tree, timed_load, timed_read)
+from .common import (GiB, MiB, BenchError, Mount, ensure_imported, human, leave_work, mounted, parse_size,
+                     print_daemon_report, print_table, timed_load, timed_read)
 from .make_checkpoint import DEFAULT_PATH, make_checkpoint
 
 DEST = "bench/ckpt.pt"
@@ -124,10 +124,7 @@ def run(args: argparse.Namespace) -> int:
             print_daemon_report(m, title, tail=20)
         return 1
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            remove_tree(work)
+        leave_work(work, args.keep)
 
     report(nbytes, rows, read_rows, args, bw)
     if not mismatches:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .bench_cpu import DATA, SHAPES, make_checkpoints, write_config
-from .common import (MiB, BenchError, drop_caches, ensure_imported, human, mount_stats, mounted, parse_size,
-                     print_daemon_report, print_table, remove_tree, timed_load, timed_st_load)
+from .common import (MiB, BenchError, LoadResult, ensure_imported, human, leave_work, mount_stats, mounted,
+                     parse_size, print_daemon_report, print_table, timed_load, timed_st_load)
 
 KINDS = ("torch", "mmap", "safetensors")
 HEADROOM = 150 * MiB          # the issue's allowance above [cache] memory
@@ -96,13 +96,11 @@ class Load:
     buffers: int       # read buffers' bytes when settled
 
 
-def _one_load(kind: str, mp: Path, pt_name: str, st_name: str) -> tuple[float, dict[str, str]]:
-    """One cold load of `kind` through the mount in a fresh python: (seconds, fingerprints or {})."""
+def _one_load(kind: str, mp: Path, pt_name: str, st_name: str) -> LoadResult:
+    """One cold load of `kind` through the mount in a fresh python (torch kinds with fingerprints)."""
     if kind == "safetensors":
-        r = timed_st_load(mp / st_name, cold=True)
-        return r.total_seconds, {}
-    r = timed_load(mp / pt_name, cold=True, mmap=kind == "mmap")
-    return r.total_seconds, r.fingerprints
+        return timed_st_load(mp / st_name, cold=True)
+    return timed_load(mp / pt_name, cold=True, mmap=kind == "mmap")
 
 
 def settle(mp: Path) -> dict:
@@ -132,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     mp = work / "mnt"
     loads: list[Load] = []
     mismatches: list[str] = []
+    notes: set[str] = set()
     m = None
     try:
         pt, st = make_checkpoints(args.shape, args.size)
@@ -151,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
                     kind = args.kinds[i % len(args.kinds)]
                     rss.reset()
                     before = rss.now()
-                    seconds, got = _one_load(kind, mp, f"bench/{pt.name}", f"bench/{st.name}")
+                    r = _one_load(kind, mp, f"bench/{pt.name}", f"bench/{st.name}")
+                    seconds, got = r.total_seconds, r.fingerprints
+                    if r.note:
+                        notes.add(r.note)
                     doc = settle(mp)
                     peak = rss.reset()
                     loads.append(Load(kind, seconds, before, peak, rss.now(), doc["cache"]["used"],
@@ -168,13 +170,9 @@ def run(args: argparse.Namespace) -> int:
             print_daemon_report(m, "the mount", tail=20)
         return 1
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            remove_tree(work)
+        leave_work(work, args.keep)
 
-    note = drop_caches()
-    if note:
+    for note in notes:
         print(f"NOTE: {note} (the loads were not cold)")
     print(f"\ndaemon RSS after mounting: {human(mounted_rss)}; limit [cache] memory + 150 MiB = {human(limit)}\n")
     print_table(["load", "kind", "seconds", "RSS before", "RSS peak", "RSS settled", "cache held", "read buffers"],

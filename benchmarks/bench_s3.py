@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from .bench_load import checkpoint_for
-from .common import (MiB, BenchError, Mount, cpfs, drop_caches, human, is_mounted, mounted, parse_size, run_child,
-                     pid_alive, print_daemon_report, remove_tree, timed_load, touch_memory)
+from .common import (MiB, BenchError, Mount, cpfs, drop_caches, human, is_mounted, leave_work, mounted,
+                     parse_size, run_child, pid_alive, print_daemon_report, timed_load, touch_memory)
 from .make_checkpoint import make_checkpoint
 
 DEST = "bench/ckpt.pt"           # the checkpoint's path in cpfs
@@ -217,10 +217,7 @@ def run(args: argparse.Namespace) -> int:
                     daemon = "" if s.daemon_cpu is None else f", FUSE daemon CPU {s.daemon_cpu:.1f} s"
                     print(f"  round {i + 1}: {c.label}: {s.seconds:.2f} s (moto CPU {c.server_cpu[-1]:.1f} s{daemon})")
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            remove_tree(work)
+        leave_work(work, args.keep)
 
     report(cases, nbytes, args)
     print("\n== cpfs daemon statistics (logged at unmount)")

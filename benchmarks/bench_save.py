@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import (GiB, MiB, ROOT, BenchError, Mount, RssSampler, drop_caches, human, mounted, parse_size,
-                     print_daemon_report, print_table, remove_tree)
+from .common import (GiB, MiB, ROOT, BenchError, Mount, RssSampler, drop_caches, human, leave_work, mounted,
+                     parse_size, print_daemon_report, print_table, remove_tree)
 
 FILE = "ckpt.pt"         # the same name in both places: torch.save names the archive's folder after it
 SAMPLE_EVERY = 0.05
@@ -237,10 +237,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  read both back, sha256 {'equal' if same else 'DIFFERENT'} ({time.perf_counter() - t0:.1f} s)")
         stored = sum(f.stat().st_size for f in (work / "cpfs" / "stores").rglob("*") if f.is_file())
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            remove_tree(work)
+        leave_work(work, args.keep)
 
     assert via.rss is not None
     size = via.size

@@ -295,6 +295,14 @@ def print_daemon_report(m: Mount, title: str, tail: int = 0) -> None:
         print(f"  PROBLEM: {p}")
 
 
+def leave_work(work: Path, keep: bool) -> None:
+    """A benchmark's work folder at its end: kept (`--keep`, for its daemon logs; said where) or removed."""
+    if keep:
+        print(f"kept {work}")
+    else:
+        remove_tree(work)
+
+
 def remove_tree(path: Path) -> None:
     """rm -r, but never into a folder that is still a mount point."""
     path = Path(path)
