@@ -425,7 +425,7 @@ def test_a_version_open_through_the_mount_survives_retirement_and_gc(tmp_path: P
             return json.loads((m.path / ".cpfs-stats").read_bytes())["holds"]
 
         deadline = time.monotonic() + 10
-        # DEFER after the open; the write counts once every store took its copy, a moment after the files
+        # DEFER after the open; the write is counted once a store took it, a moment after its file appears
         while (len(_hold_files(tmp_path)) < 3 or holds()["writes"] < 1) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(_hold_files(tmp_path)) == 3
