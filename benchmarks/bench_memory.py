@@ -31,58 +31,18 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .bench_cpu import DATA, SHAPES, make_checkpoints, write_config
-from .common import (MiB, BenchError, LoadResult, ensure_imported, human, leave_work, mount_stats, mounted,
-                     parse_size, print_daemon_report, print_table, timed_load, timed_st_load)
+from .common import (MiB, BenchError, LoadResult, RssSampler, ensure_imported, human, leave_work, mount_stats,
+                     mounted, parse_size, print_daemon_report, print_table, timed_load, timed_st_load)
 
 KINDS = ("torch", "mmap", "safetensors")
 HEADROOM = 150 * MiB          # the issue's allowance above [cache] memory
 SETTLE_MAX = 20.0             # seconds after a load at most before its settled RSS is read
 GROWTH_OK = 32 * MiB          # growth below this is noise (the allocator, the interpreter's caches)
-
-
-class Rss:
-    """The RSS of a pid sampled every `interval` s in a thread: the current value and the peak since
-    the last `reset()`."""
-
-    def __init__(self, pid: int, interval: float = 0.02) -> None:
-        import psutil
-
-        self._proc = psutil.Process(pid)
-        self._error = psutil.Error
-        self.peak = self.now()
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def now(self) -> int:
-        return self._proc.memory_info().rss
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                rss = self.now()
-            except self._error:
-                return
-            with self._lock:
-                self.peak = max(self.peak, rss)
-
-    def reset(self) -> int:
-        """The peak so far, and start a new one from the current RSS."""
-        with self._lock:
-            peak, self.peak = self.peak, self.now()
-        return max(peak, self.peak)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @dataclass
@@ -143,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         want = timed_load(pt, cold=False).fingerprints if {"torch", "mmap"} & set(args.kinds) else {}
         with mounted(cfg, mp, work / "daemon.log") as m:
-            rss = Rss(m.pid)
-            try:
+            with RssSampler(m.pid, interval=0.02) as rss:
                 mounted_rss = rss.now()
                 for i in range(args.loads):
                     kind = args.kinds[i % len(args.kinds)]
@@ -162,8 +121,6 @@ def run(args: argparse.Namespace) -> int:
                         mismatches += [f"load {i + 1} ({kind}): {k}" for k in want if want[k] != got.get(k)]
                     print(f"  load {i + 1} {kind}: {seconds:.2f} s, daemon RSS peak {human(peak)}, "
                           f"settled {human(loads[-1].settled)}", flush=True)
-            finally:
-                rss.close()
     except BenchError as e:
         print(f"\nbench_memory: error: {e}", file=sys.stderr)
         if m is not None:

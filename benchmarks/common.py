@@ -483,28 +483,41 @@ if __name__ == "__main__":
 
 class RssSampler:
     """Peak RSS of a process, sampled every `interval` seconds in a thread;
-    also its CPU time. Used by bench_save and by the tests' memory checks."""
+    also its CPU time. Used by bench_save, bench_memory (a peak per load: `reset`) and by the tests'
+    memory checks."""
 
     def __init__(self, pid: int, interval: float = 0.05) -> None:
         import psutil
 
         self._proc = psutil.Process(pid)
         self._error = psutil.Error
-        self.before = self.peak = self._proc.memory_info().rss
+        self.before = self.peak = self.now()
         self.samples = 0
         self.cpu_seconds = 0.0
         self._cpu0 = self._cpu()
         self._interval = interval
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> int:
+        return self._proc.memory_info().rss
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                self.peak = max(self.peak, self._proc.memory_info().rss)
-                self.samples += 1
+                rss = self.now()
             except self._error:
                 return
+            with self._lock:
+                self.peak = max(self.peak, rss)
+                self.samples += 1
+
+    def reset(self) -> int:
+        """The peak so far; the next peak starts from the RSS now."""
+        with self._lock:
+            peak, self.peak = self.peak, self.now()
+        return max(peak, self.peak)
 
     def _cpu(self) -> float:
         t = self._proc.cpu_times()

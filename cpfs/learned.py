@@ -201,7 +201,6 @@ class Shape:
                 h.update(f"\n{n}\0{u.length}".encode())
             self.schema = h.hexdigest()
         self._starts = [u.offset for u in layout.units]
-        self._common: frozenset[int] | None = None
 
     def name(self, u: Unit) -> str:
         assert self.names is not None
@@ -233,19 +232,13 @@ class Shape:
         return tuple((self.names[k], a - units[k].offset, b - units[k].offset)
                      for k in sorted(parts) for a, b in parts[k])
 
-    def common(self) -> frozenset[int]:
-        """The chunks every plan of this file takes: the head and the zip headers."""
-        if self._common is None:
-            self._common = frozenset(self.layout.head) | zip_header_chunks(self.m, self.index, self.layout)
-        return self._common
-
     def chunks(self, rec: Recording) -> list[int]:
         """The chunks of this file a recording names, in loader order: the head, the zip headers (a
         torch loader reads them all), and the chunks of each recorded part. Not widened to whole
         pages (as a declared tensor is): a part is the bytes of the chunks the load had, and a page
         past a chunk's end is the neighbour's, which that load did without."""
         m = self.m
-        wanted = set(self.common())
+        wanted = set(self.layout.head) | zip_header_chunks(m, self.index, self.layout)
         for name, a, b in rec.spans:
             u = self.units.get(name)
             if u is None:
@@ -441,7 +434,7 @@ class Learner:
         chunks = shape.chunks(rec)
         p = Plan(self.sched, reader.inode, reader.m, chunks, tensors=len({n for n, _, _ in rec.spans}),
                  patterns=(), learned_from=rec.source)
-        reader.expect(frozenset(chunks), shape.common())
+        reader.expect(frozenset(chunks))
         self._plans[reader] = (p, rec, exact)
         self._nursery.start_soon(p.run)
         self._replayed += 1

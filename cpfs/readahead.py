@@ -550,7 +550,8 @@ class FileReader:
         self._head = frozenset(self.layout.head)
         self._unit_starts = [u.offset for u in self.layout.units]
         self._zipped = fmt in ("torch-zip", "torch-dcp")    # records have zip local headers (`_at_header`)
-        self._headers: list[int] | None = None     # zip header chunks, in file order (`_read_headers`)
+        self._zip_headers: list[int] | None = None  # zip header chunks, in file order (`_headers`)
+        self._headers_ahead = True                 # ... not yet fetched ahead (`_read_headers`)
         self._last_header: int | None = None       # the chunk of the last header read that landed
         self._loader_rank = {self.layout.units[u]: k for k, u in enumerate(self.layout.loader_units)}
         self.initial = cfg.readahead_initial
@@ -606,7 +607,6 @@ class FileReader:
         self.landing: tuple[Unit, float] | None = None
         self.planned = False
         self.expected: frozenset[int] | None = None
-        self.common: frozenset[int] = frozenset()   # ... of them, those every plan of the file takes
         self.unexpected = 0                 # bytes read away from what it was expected to read
         self.closed = False
         self._wake = trio.Event()
@@ -726,14 +726,11 @@ class FileReader:
             return any(u.offset in self.read_units for u in self._units_in(self.m.offsets[i], self.m.offsets[i + 1]))
         return {i for i in self.touched if i not in self.unused or read_near(i)}
 
-    def expect(self, chunks: frozenset[int], common: frozenset[int] = frozenset()) -> None:
+    def expect(self, chunks: frozenset[int]) -> None:
         """A plan learned from an earlier load fetches `chunks` for this open (cpfs/learned.py): until
         the reader lands outside them, its readahead prefetches nothing else. Per open, not per file
-        (a declaration is): ranks of one host reading different parts of one file each get their own.
-        `common`: those of them that come with every plan of the file (the head, torch's zip headers),
-        which say nothing of the tensors this open reads (`_watch`)."""
+        (a declaration is): ranks of one host reading different parts of one file each get their own."""
         self.expected = chunks
-        self.common = common
         self.planned = True
 
     def unplan(self) -> None:
@@ -1106,19 +1103,28 @@ class FileReader:
         are ~24 KiB each (chunking.LEAD, TAIL), ~2% of such a file; a learned or declared plan has them
         already. They count as used prefetches at once: the loader reads them from the kernel."""
         prev, self._last_header = self._last_header, chunks[0]
-        if prev is None or chunks[0] <= prev or self.expected is not None:
+        if prev is None or chunks[0] <= prev or self.expected is not None or not self._headers_ahead:
             return
-        if self._headers is None:
-            self._headers = sorted(zip_header_chunks(self.m, self.index, self.layout)) if self.index else []
-        k = bisect.bisect_right(self._headers, chunks[-1])
-        ahead, self._headers = self._headers[k:], []           # once: a second landing finds none left
-        for i in ahead:
+        self._headers_ahead = False
+        headers = self._headers()
+        for i in headers[bisect.bisect_right(headers, chunks[-1]):]:
             if self._have(i) or not self._may_prefetch(i):
                 continue
             if not self.sched.cache.reserve(self.m.chunks[i].raw_len):
                 break
             self._start_prefetch(i)
             self._seen(i)       # used: the loader reads it (from the kernel, so it never shows here)
+
+    def _headers(self) -> list[int]:
+        """The file's zip header chunks (`zip_header_chunks`), in file order; found once per open."""
+        if self._zip_headers is None:
+            self._zip_headers = sorted(zip_header_chunks(self.m, self.index, self.layout)) if self.index else []
+        return self._zip_headers
+
+    def _is_header(self, i: int) -> bool:
+        headers = self._headers()
+        k = bisect.bisect_left(headers, i)
+        return k < len(headers) and headers[k] == i
 
     def _batch(self, u: Unit, start: int) -> None:
         """Fetch chunks [start, u.last] at once; the last one held."""
@@ -1315,10 +1321,10 @@ class FileReader:
         left the plan once they are over STRAY_CHUNKS chunks and half of what it read: the kernel's
         readahead runs on past a tensor's end by a few MiB more or less each time, and a reader that
         does something else (a whole load where a stage was recorded) reads on and on outside.
-        Only the plan's tensor chunks are near in that sense, not the chunks every plan takes (`common`):
-        with records of 0.5-2 MiB a zip header lies within the kernel's reach of every read, and a whole
-        torch.load given the plan of torch.load(mmap=True)'s header-reading open never left it, each of
-        its tensors fetched on demand."""
+        Only the plan's tensor chunks are near in that sense, not the chunks cpfs/learned.py adds to every
+        plan (the head, the zip headers): with records of 0.5-2 MiB a zip header lies within the kernel's
+        reach of every read, and a whole torch.load given the plan of torch.load(mmap=True)'s
+        header-reading open never left it, each of its tensors fetched on demand."""
         assert self.sched.watcher is not None
         declared = self.sched.declared(self.inode, self.m)
         self.planned = self.planned or declared is not None
@@ -1340,8 +1346,10 @@ class FileReader:
                     return
         expected = self.expected
         lo, hi = max(0, offset - self.slack), min(self.m.size, end + self.slack)
-        if expected is None or header or any(i in expected and i not in self.common
-                                             for i in self.m.chunk_range(lo, hi - lo)):
+        if expected is None or header:
+            return
+        if any(i in expected and i not in self._head and not self._is_header(i)
+               for i in self.m.chunk_range(lo, hi - lo)):
             return
         self.unexpected += end - offset
         if self.unexpected > max(STRAY_CHUNKS * self.m.chunk_size, self.read_bytes // 2):

@@ -148,8 +148,9 @@ class Uploader:
         passed = self._pool.ticks()
         while True:
             await trio.sleep(min(every, TICKS_WATCH))
-            if self._pool.ticks() - passed >= every:
-                passed = self._pool.ticks()
+            now = self._pool.ticks()
+            if now - passed >= every:
+                passed = now
                 await self.renew_due()
 
     async def renew_due(self) -> None:
