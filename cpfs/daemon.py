@@ -176,9 +176,10 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
         # The stores' figures too: a load that was slow with nothing odd in the scheduler's (a stall in
         # one run of a benchmark) shows here which store answered late, and whether reads were hedged.
         log.info("unmounted %s; cache %s; scheduler %s; read buffers %s; encode buffers %s; page cache pushes %s; "
-                 "stores %s; replicas %s; holds %s", mountpoint, cache.statistics(), sched.statistics(),
+                 "stores %s; replicas %s; holds %s; learned %s", mountpoint, cache.statistics(), sched.statistics(),
                  buffers.POOL.statistics(), ENCODE_POOL.statistics(), pusher.statistics() if pusher else None,
-                 pool.statistics(), pool.replica_statistics(), holds.statistics())
+                 pool.statistics(), pool.replica_statistics(), holds.statistics(),
+                 learner.statistics() if learner else None)
 
 
 # Staging. The staging folder may be shared (/scratch, a folder beside other tools' data): cpfs works in

@@ -40,7 +40,8 @@ another host (a replacement node after a failure: the load that must be fast) re
 on the old one: one object per schema and landing unit (`learned/<schema>/<unit hash>.json`, on
 `replicas` stores placed by its key), holding the recordings of the loads that landed in that unit
 (PER_UNIT, newest first). An open whose landing matches nothing kept here asks the stores for its
-unit's object (one GET; the landing's plan waits for it at most SHARED_WAIT, the reader does not);
+unit's object (one GET, bounded by SHARED_WAIT; the reader does not wait: its plan starts when the
+object comes, if the open is still there and has no plan, and what it holds is kept either way);
 a learned load updates its unit's object (a GET and a PUT, merged with what other hosts put there; a
 recording this mount dropped as mis-guessed leaves it). An object that cannot be read or written is
 logged and skipped: the stores' copy is a cache as well, and `learned/` may be deleted at any time.
@@ -80,7 +81,7 @@ SHAPES = 32                 # files whose units (by name) are kept at hand
 FORMAT = 1
 SHARED_PREFIX = "learned/"  # the stores' copy (StoreShared)
 PER_UNIT = 16               # recordings in one shared object: loads that landed in one unit
-SHARED_WAIT = 0.5           # seconds a landing's plan waits for its unit's shared recordings
+SHARED_WAIT = 10.0          # seconds a landing asks the stores for its unit's shared recordings
 SHARED_AGAIN = 60.0         # ... which are asked for again after this long (other hosts learn meanwhile)
 SHARED_MAX = 1 << 20        # bytes: a bigger shared object is not read
 
@@ -409,18 +410,25 @@ class Learner:
         assert self.shared is not None
         recs: list[Recording] = []
         self._gets += 1
-        with trio.move_on_after(SHARED_WAIT):
+        asked = trio.current_time()
+        with trio.move_on_after(SHARED_WAIT) as waited:
             try:
                 recs = await self.shared.get(*key)
             except SharedError as e:
                 self._share_errors += 1
                 log.warning("cannot read the shared learned prefetch plans: %s", e)
+        if waited.cancelled_caught:
+            self._share_errors += 1
+            log.warning("%s: the stores did not answer for the shared learned prefetch plans of %s within %.0f s",
+                        reader.m.path, key[1], SHARED_WAIT)
         new = _newcomers(recs, self._recs.get(key[0], []))
         for r in reversed(new):                 # the object lists the newest first
             self._keep(r)
         self._got += len(new)
         if new:
             self._dirty.set()                   # kept in the local file too
+            log.info("%s: %d recordings of loads that landed in %s came from the stores in %.2f s%s", reader.m.path,
+                     len(new), key[1], trio.current_time() - asked, ", after the open was closed" if reader.closed else "")
         if reader.closed or reader.planned or reader.landing is None:    # planned: it has a plan now
             return
         unit, at = reader.landing

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from cpfs.cache import ChunkCache
-from cpfs.learned import Learner, Recording, Shape, SharedError, StoreShared, encode, load, save
+from cpfs.learned import SHARED_WAIT, Learner, Recording, Shape, SharedError, StoreShared, encode, load, save
 from cpfs.config import parse_config
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
@@ -165,6 +165,32 @@ async def test_a_stage_learned_on_one_host_is_fetched_at_once_on_another(autojum
     _, c, _ = await run_load(store, tmp_path / "c.json", ckpt, stage, shared=shared)
     s = c.statistics()
     assert s.shared_errors == 2 and s.replayed == 0         # its GET at the landing, its PUT after the load
+    assert set(fetched(store, ckpt[0])) >= chunks_of(2) | chunks_of(5) | chunks_of(6)
+
+
+async def test_shared_recordings_that_come_late_still_plan_the_open_and_a_silent_store_is_an_error(
+        autojump_clock, tmp_path: Path):
+    """A busy host's stores answer the landing's GET after a second: the reader went on without waiting
+    and is still loading, so the plan starts then (an earlier cut-off at half a second dropped the
+    recordings and left the rank with none). Stores that do not answer within SHARED_WAIT are counted
+    as an error and the load goes on with its readahead; the tensors are right either way."""
+    store, shared = FakeStore(latency=0.008), MemoryShared()
+    stage = [(2, 0.0, 1.0), (5, 0.0, 1.0), (6, 0.0, 1.0)]
+    await run_load(store, tmp_path / "a.json", step(store, 1), stage, shared=shared)
+    ckpt = step(store, 2)
+
+    shared.latency = 1.0
+    _, b, _ = await run_load(store, tmp_path / "b.json", ckpt, stage, compute=0.6, shared=shared)
+    s = b.statistics()
+    assert (s.shared_gets, s.shared_got, s.replayed, s.strayed, s.shared_errors) == (1, 1, 1, 0, 0)
+    [p] = b.plans()
+    assert p.learned_from == "/f" and p.done and p.failed_chunks == 0
+
+    shared.latency = SHARED_WAIT + 1
+    store.log.clear()
+    _, c, _ = await run_load(store, tmp_path / "c.json", ckpt, stage, compute=0.6, shared=shared)
+    s = c.statistics()
+    assert (s.shared_gets, s.shared_got, s.replayed) == (1, 0, 0) and s.shared_errors >= 1
     assert set(fetched(store, ckpt[0])) >= chunks_of(2) | chunks_of(5) | chunks_of(6)
 
 

@@ -298,7 +298,7 @@ def test_a_stage_loaded_once_is_fetched_at_once_the_next_time_from_the_next_chec
     time.sleep(0.5)                                 # plans still running finish
     second, doc = loaded(m)
     if host == "another":
-        assert doc["learned"]["shared_got"] >= 1          # from the stores: nothing was learned on this "host"
+        assert doc["learned"]["shared_got"] >= 1, doc["learned"]    # from the stores: nothing learned on this "host"
     data = "/__0_0.distcp" if fmt == "dcp" else ""
     plans = [p for p in doc["plans"] if p["learned_from"] == f"/step_1.{fmt}{data}"]
     print(f"\n{fmt}: learned {doc['learned']}; plans {plans}; fetched {second / MiB:.1f} MiB "
