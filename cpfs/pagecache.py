@@ -75,6 +75,7 @@ class PageFeeder:
         # as ordinary entries the budget evicts: this VM's host reclaims a few pushed pages within
         # seconds, and each page the loader then faults in would cost a whole chunk's fetch (a
         # declared safetensors stage fetched 1.2x what it read, or 1.6x when ~50 pages of 28,000 went).
+        # Only a declaration that fits in the ready read buffers is kept (Scheduler._kept).
         self.keep: frozenset[int] = frozenset()
 
     def _interior(self, i: int) -> tuple[int, int]:
