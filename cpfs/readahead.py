@@ -26,6 +26,9 @@ also followed in file order, for `cat`). Without an index the plan is file order
   reads fetched the tensors behind the headers. chunking.py cuts records so that such a read fetches
   one small chunk. Once the reader has shown that it reads whole tensors, such a read moves its stream
   (it is torch.load's read of the record from the header's page) but is still never a landing.
+- A whole-tensor reader's reads inside the tensor it is in, or ahead within what its window fetched,
+  continue its stream wherever they fall: torch's ops on a mapped tensor run on several threads, each
+  faulting in its own part (`.sum()` reads the two halves at once).
 - A read that jumps ends the stream. If it covers a tensor's start (the kernel reads around a page
   fault), the rest of that tensor is fetched at once, in parallel, unless the reader has shown that it
   reads parts of tensors. A landing inside a tensor is judged by the next read: if that one goes on to
@@ -916,10 +919,24 @@ class FileReader:
         within the head). A loader reads it at any time; it says nothing of how it reads tensors."""
         return chunks[0] in self._head and (end - offset <= self.slack or all(i in self._head for i in chunks))
 
-    def _continues(self, chunks: range) -> tuple[int, int] | None:
+    def _continues(self, chunks: range, offset: int) -> tuple[int, int] | None:
         """(order, previous position) if the read continues the last one along an order: it starts at
         the reader's chunk, the next one, or just after what was fetched ahead of the reader there
         (held chunks excepted: the reader shows up at them)."""
+        if self.whole and self.last_chunk is not None:
+            # A whole-tensor reader's read anywhere in the tensor it is in, or ahead within what the
+            # window has fetched (past the chunks held to see it come; not a zip header read, which
+            # torch.load(mmap=True) makes through an open of its own, in file order: it would stream
+            # the file): another thread of the loader (see _jump) or the kernel's readahead for it.
+            # Behind the stream it is nothing new; ahead, the stream goes on from there (`_observe`
+            # leaves the cursor at any bytes it jumped over that were not fetched, to fetch them too).
+            # Taken for jumps, these reset the window to a chunk at every turn.
+            u = self._unit(self.m.offsets[self.last_chunk])
+            q = self.pos[self.k][self.last_chunk]
+            if u is not None and u.first <= chunks[0] and chunks[-1] <= u.last:
+                return self.k, q
+            if q < min(self.pos[self.k][c] for c in chunks) <= self.cursor and not self._at_header(offset):
+                return self.k, q
         for k in sorted(range(len(self.orders)), key=lambda k: k != self.k):     # the stream's own first
             order, pos = self.orders[k], self.pos[k]
             q = pos[self.last_chunk] if self.last_chunk is not None else -1
@@ -947,7 +964,7 @@ class FileReader:
             for i in chunks:                        # the loader's metadata: read at any time, says nothing
                 self._seen(i)
             return
-        cont = self._continues(chunks)
+        cont = self._continues(chunks, offset)
         if cont is not None and self._slicing() and offset > self.reach + self.slack:
             cont = None                             # a reader of slices going past the kernel's readahead
         skipped = cont is not None and self._skipped_start(offset)
@@ -984,7 +1001,10 @@ class FileReader:
                     self._unpin(i)
             self.run += self.pref[k][p1 + 1] - self.pref[k][q + 1]
             self.last, self.last_chunk = p1, order[p1]
-            self.cursor = max(self.cursor, p1 + 1)
+            if min(pos[c] for c in chunks) <= self.cursor:
+                self.cursor = max(self.cursor, p1 + 1)
+            # else it went on from further ahead than prefetch had reached: `_fill` fetches what lies
+            # between from the cursor first (behind the reader, so outside the window's count)
             self._read_to_end(offset, end, chunks)
             # A zip header read says nothing of how the reader goes on and leaves the window as it is: a
             # loader reading headers and data in turn keeps its stream, and one that reads only headers
@@ -1054,14 +1074,20 @@ class FileReader:
     def _jump(self, offset: int, end: int, chunks: range, skipped: bool) -> None:
         """The reader left the stream: judge what it skipped, then what its landing says. `skipped`: it
         read on into the next chunk but skipped the start of the tensor it is in (`_skipped_start`)."""
-        if self.batch_end is not None and self.batch_end not in chunks and self.batch_end in self.held:
+        # Each rule below judges a reader that left a tensor; a jump inside that same tensor left
+        # nothing (a loader's op on a mapped tensor runs on several threads, each faulting in its own
+        # part: torch's .sum() reads the two halves at once).
+        here = self._unit(offset)
+        if (self.batch_end is not None and self.batch_end not in chunks and self.batch_end in self.held
+                and self._unit(self.m.offsets[self.batch_end]) != here):
             self.whole = False                      # left a tensor fetched whole before its end
         if self.mid is not None:
-            self.whole = False                      # read from inside a tensor, and left it
+            if self.mid != here:
+                self.whole = False                  # read from inside a tensor, and left it
             self.mid = None
         if (self.marker is not None and self.marker in self.held and self.marker not in chunks
                 and self.last_chunk is not None and self._unit(self.m.offsets[self.marker]) is not None
-                and self._unit(self.m.offsets[self.marker]) == self._unit(self.m.offsets[self.last_chunk])):
+                and self._unit(self.m.offsets[self.marker]) == self._unit(self.m.offsets[self.last_chunk]) != here):
             self.whole = False                      # left a tensor it was streaming through before its end
         if self.slice_unit is not None and self.last_chunk is not None:
             u = self.slice_unit

@@ -380,6 +380,36 @@ async def test_a_whole_file_reader_finds_the_window_filled_ahead_a_quarter_at_a_
     assert late == 0
 
 
+async def test_a_loader_whose_threads_read_each_tensors_halves_at_once_keeps_one_stream(autojump_clock):
+    """torch's ops on a mapped tensor run on several threads: `.sum()` of a tensor read through
+    safetensors' mapping faults in its two halves at once, so the mount sees reads alternate between
+    the tensor's first and second half. Those jumps inside one tensor (behind the stream, or ahead
+    within what its window fetched) are one whole-tensor reader, not one leaving its tensor: its window
+    grows across tensors as a single reader's does. Taken for jumps, each reset the window to a chunk
+    and the reader was judged to read parts, so every tensor came with a fetch on demand (a 512 MiB
+    safetensors checkpoint: 31-46 demand fetches, 7-10 now; 610 FUSE reads, 370-420 now)."""
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store, tensors=16, per=8)
+    kernel = Kernel(len(data))
+    sched = Scheduler(ChunkCache(256 * CHUNK), store.fetch, config(max=32 * CHUNK, read_ahead_kb=16),
+                      on_chunk=kernel.push)
+    async with trio.open_nursery() as n:
+        reader = await sched.open(n, m, index)
+        await trio.sleep(1)
+        for t in index.tensors:
+            half = t.length // 2
+            for off in range(t.offset, t.offset + half, CHUNK):       # the two threads, a chunk each in turn
+                for at in (off, off + half):
+                    assert await kernel.read(reader, at, CHUNK) == data[at:at + CHUNK]
+                await trio.sleep(0.001)
+        window, demand = reader.window, reader.demand
+        await reader.aclose()
+    got = fetched(store, m)
+    print(f"window {window // CHUNK} chunks, {demand} fetches on demand")
+    assert sorted(got) == list(range(len(m.chunks)))                    # each chunk once
+    assert window >= 16 * CHUNK and demand <= 8
+
+
 async def test_a_loader_from_the_head_gets_a_doubling_window_in_its_first_tensor(autojump_clock):
     """A loader's first tensor is often its biggest (an embedding). From the head, until the reader shows
     how it reads tensors, the window is all it has read, not a quarter: the reader (1 ms per chunk,
