@@ -380,16 +380,19 @@ async def test_a_whole_file_reader_finds_the_window_filled_ahead_a_quarter_at_a_
     assert late == 0
 
 
-async def test_a_loader_whose_threads_read_each_tensors_halves_at_once_keeps_one_stream(autojump_clock):
+@pytest.mark.parametrize("per", [8, 32])
+async def test_a_loader_whose_threads_read_each_tensors_halves_at_once_keeps_one_stream(autojump_clock, per: int):
     """torch's ops on a mapped tensor run on several threads: `.sum()` of a tensor read through
     safetensors' mapping faults in its two halves at once, so the mount sees reads alternate between
     the tensor's first and second half. Those jumps inside one tensor (behind the stream, or ahead
     within what its window fetched) are one whole-tensor reader, not one leaving its tensor: its window
     grows across tensors as a single reader's does. Taken for jumps, each reset the window to a chunk
     and the reader was judged to read parts, so every tensor came with a fetch on demand (a 512 MiB
-    safetensors checkpoint: 31-46 demand fetches, 7-10 now; 610 FUSE reads, 370-420 now)."""
+    safetensors checkpoint: 31-46 demand fetches, 7-10 now; 610 FUSE reads, 370-420 now). Tensors of
+    32 chunks: the second thread's first read lies past the first window, a landing inside the tensor,
+    and the first thread's next read there is no reader leaving it either."""
     store = FakeStore(latency=0.008)
-    m, data, index = checkpoint(store, tensors=16, per=8)
+    m, data, index = checkpoint(store, tensors=128 // per, per=per)
     kernel = Kernel(len(data))
     sched = Scheduler(ChunkCache(256 * CHUNK), store.fetch, config(max=32 * CHUNK, read_ahead_kb=16),
                       on_chunk=kernel.push)
