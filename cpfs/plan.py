@@ -166,10 +166,9 @@ class Plan:
         bytes, are in the daemon at once.
         A chunk pushed before is skipped, unless its push is over STALE old and the daemon still holds
         it (a declaration that fits in the ready read buffers stays cached: `Scheduler._kept`): the
-        kernel may have dropped its pages since without a word
-        (this VM's host reclaims untouched pages in seconds), and an earlier plan of the same tensors
-        then pushed nothing, so the loader faulted each page in on demand. Pushing the cached bytes
-        again costs a copy, no fetch."""
+        kernel may have dropped its pages since without a word (this VM's host reclaims untouched
+        pages in seconds), and an earlier plan of the same tensors then pushed nothing, so the loader
+        faulted each page in on demand. Pushing the cached bytes again costs a copy, no fetch."""
         feeder = self.sched.feeder(self.inode, self.m)
         slots = trio.CapacityLimiter(self.sched.config.fetch_concurrency)
         limit = self.sched.config.chunk_size

@@ -336,7 +336,7 @@ class Scheduler:
         read buffers ([cache] buffers; a rank's stage, the weights of a small model), else none. Each
         kept chunk holds a read buffer, so the fetches behind a larger declaration had to back fresh
         memory: declaring a whole 512 MiB checkpoint made its torch.load 0.66x as fast as the same load
-        undeclared (0.9-1.0 CPU-s against 0.5-0.6). Kept, a chunk is pushed again without a fetch when
+        undeclared (the daemon's 0.8-1.0 CPU-s against 0.5-0.6). Kept, a chunk is pushed again without a fetch when
         the declaration is set again after the kernel dropped its pages (cpfs/plan.py); not kept, a
         page the kernel dropped is fetched again as in any file (its blocks, else its chunk)."""
         if sum(manifest.chunks[i].raw_len for i in chunks) > self.config.ready_buffers:
@@ -922,7 +922,8 @@ class FileReader:
     def _continues(self, chunks: range, offset: int) -> tuple[int, int] | None:
         """(order, previous position) if the read continues the last one along an order: it starts at
         the reader's chunk, the next one, or just after what was fetched ahead of the reader there
-        (held chunks excepted: the reader shows up at them)."""
+        (held chunks excepted: the reader shows up at them); from a whole-tensor reader, also a read
+        anywhere in the tensor it is in, or ahead within what its window fetched."""
         if self.whole and self.last_chunk is not None:
             # A whole-tensor reader's read anywhere in the tensor it is in, or ahead within what the
             # window has fetched (past the chunks held to see it come; not a zip header read, which

@@ -10,8 +10,7 @@ import trio.testing
 from cpfs.cache import ChunkCache
 from cpfs.plan import STALE, Plan, PlanError, chunks_for, parse_patterns
 from cpfs.readahead import PAGE, Scheduler
-from cpfs.tensor_index import EOCD_SEARCH
-from cpfs.tensor_index import TensorEntry
+from cpfs.tensor_index import EOCD_SEARCH, TensorEntry
 from test_readahead import (CHUNK, FakeStore, Kernel, checkpoint, config, cut_checkpoint, fetched, make_file,
                             zip_index)
 
