@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -449,6 +450,8 @@ def test_the_kept_file_round_trips_and_a_bad_one_is_skipped_and_old_temporaries_
     save(path, recs, 0o640)
     old, young = stale_and_fresh_temporaries(tmp_path)     # daemons killed while writing it, or writing now
     assert load(path) == recs and path.stat().st_mode & 0o777 == 0o640
+    # the same document as the dataclass's own (files kept by earlier versions read alike)
+    assert json.loads(path.read_bytes()) == json.loads(json.dumps({"format": 1, "recordings": [asdict(recs[0])]}))
     assert not old.exists() and young.exists()
     assert load(tmp_path / "missing.json") == []
     for bad in (b"{", b'{"format": 99, "recordings": []}', b'{"format": 1, "recordings": [{"schema": 1}]}',
