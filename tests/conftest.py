@@ -27,6 +27,21 @@ def write_config(folder: Path, *, stores: int = 3, replicas: int = 2, chunk_size
     return path
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A cache home of the tests' own: mounts whose config names no staging folder stage files and keep
+    learned prefetch plans under $XDG_CACHE_HOME/cpfs (config.staging_dir). Without it every such test
+    left a plans file in the user's ~/.cache/cpfs, one per temporary store set, never removed."""
+    home = tmp_path_factory.mktemp("cache-home")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(home)
+    yield home
+    if old is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 @pytest.fixture
 def make_config(tmp_path: Path) -> Callable[..., Path]:
     return lambda **kw: write_config(tmp_path / "cfg", **kw)
