@@ -111,8 +111,8 @@ class Recording:
 
     def to_json(self) -> dict:
         """`from_json`'s input. Not `dataclasses.asdict`, which deep-copies every span: the kept file is
-        written whole after each learned load, and with a few whole-file recordings of many tensors
-        that took 37 ms of the daemon's CPU per write (2.5 ms this way)."""
+        written whole a second after each learned load, and for 30 recordings of 7,863 spans that took
+        37 ms of the daemon's CPU per write (2.5 ms this way)."""
         return {"schema": self.schema, "unit": self.unit, "at": self.at, "spans": self.spans, "source": self.source}
 
     @classmethod
