@@ -280,6 +280,7 @@ class Learner:
         # learned or last left (`strayed`: one that served such a load stays when another leaves it)
         self._served: OrderedDict[Recording, int] = OrderedDict()
         self._to_share: dict[tuple[str, str], list[float]] = {}
+        self._sharing = trio.Lock()             # one `share` at a time (the loop's, the unmount's)
         self._gets = self._got = self._puts = self._share_errors = 0
 
     @classmethod
@@ -321,21 +322,25 @@ class Learner:
 
     async def share(self) -> None:
         """Write what was learned or dropped here since the last time into the shared objects of those
-        units, merged with what other hosts put there (the daemon calls it once more at unmount)."""
+        units, merged with what other hosts put there (the daemon calls it once more at unmount). The
+        unmount's call waits for one the loop has under way: that one took what was pending, and the
+        daemon cancels the loop right after the unmount's call returns (a recording learned just before
+        an unmount was never shared)."""
         if self.shared is None:
             return
-        pending, self._to_share = self._to_share, {}
-        for (schema, unit), dropped in pending.items():
-            try:
-                theirs = await self.shared.get(schema, unit)
-                mine = [r for r in reversed(self._recs.get(schema, [])) if r.unit == unit]     # newest first
-                keep = mine + [r for r in _newcomers(theirs, mine)
-                               if not any(abs(r.at - at) <= SLICE_TOLERANCE for at in dropped)]
-                await self.shared.put(schema, unit, keep[:PER_UNIT])
-                self._puts += 1
-            except SharedError as e:
-                self._share_errors += 1
-                log.warning("cannot share the learned prefetch plans: %s", e)
+        async with self._sharing:
+            pending, self._to_share = self._to_share, {}
+            for (schema, unit), dropped in pending.items():
+                try:
+                    theirs = await self.shared.get(schema, unit)
+                    mine = [r for r in reversed(self._recs.get(schema, [])) if r.unit == unit]  # newest first
+                    keep = mine + [r for r in _newcomers(theirs, mine)
+                                   if not any(abs(r.at - at) <= SLICE_TOLERANCE for at in dropped)]
+                    await self.shared.put(schema, unit, keep[:PER_UNIT])
+                    self._puts += 1
+                except SharedError as e:
+                    self._share_errors += 1
+                    log.warning("cannot share the learned prefetch plans: %s", e)
 
     def flush(self) -> None:
         """Write the recordings now, if any changed since the last write (blocking: at unmount, when the

@@ -195,6 +195,37 @@ async def test_shared_recordings_that_come_late_still_plan_the_open_and_a_silent
     assert set(fetched(store, ckpt[0])) >= chunks_of(2) | chunks_of(5) | chunks_of(6)
 
 
+async def test_an_unmount_during_the_loops_share_still_shares_what_was_learned(autojump_clock, tmp_path: Path):
+    """The learner's loop shares a learned load a second after it (a GET and a PUT on slow stores); the
+    mount is unmounted meanwhile. The unmount's own share waits for the loop's before the daemon
+    cancels the loop: an unmount-time share that found nothing pending (the loop had taken it) and a
+    loop cut off mid-PUT left the stores without the recording, and another host without a plan (a
+    CI failure: `shared_puts` 0 after a load that was learned)."""
+    store, shared = FakeStore(latency=0.008), MemoryShared(latency=0.5)
+    ckpt = step(store, 1)
+    m, data, index = ckpt
+    kernel = Kernel(len(data))
+    sched = mount_scheduler(store, kernel)
+    learner = Learner(sched, tmp_path / "a.json", shared=shared)
+    sched.watcher = learner
+    async with trio.open_nursery() as n:
+        await n.start(learner.run)
+        reader = await sched.open(n, m, index, 1)
+        await trio.sleep(0.1)
+        await read_parts(kernel, reader, ckpt, [(2, 0.0, 1.0), (5, 0.0, 1.0)], compute=0.02)
+        await reader.aclose()
+        asked = shared.gets                     # the landing's (nothing was shared yet)
+        while shared.gets == asked:             # until the loop's share has begun: its GET is under way
+            await trio.sleep(0.05)
+        assert learner.statistics().learned == 1 and shared.puts == 0
+        await learner.share()                   # as the daemon does at unmount, then it cancels the rest
+        n.cancel_scope.cancel()
+    s = learner.statistics()
+    assert (s.learned, s.shared_puts, s.shared_errors) == (1, 1, 0)
+    [recs] = shared.objects.values()
+    assert [(r.unit, r.at) for r in recs] == [("2", 0.0)]
+
+
 async def test_a_shared_recording_a_host_found_mis_guessed_leaves_the_stores(autojump_clock, tmp_path: Path):
     """Host A shares a stage of tensors 1-2 and another landing's part; host B's load of tensors 1-7
     lands at tensor 1, takes the stage's plan, reads on outside it: B drops that recording, and its
