@@ -42,7 +42,9 @@ also followed in file order, for `cat`). Without an index the plan is file order
   last chunk of a tensor fetched at a landing, the chunk a quarter into a stream window and predicted
   slice chunks are *held*: kept pinned in our cache and not pushed, so the reader's arrival there shows
   (a reader that reads it reads whole tensors; one that jumps past it does not), and the stream advances
-  when the reader reaches a quarter of its window. One more chunk is held every quarter window along
+  when the reader reaches a quarter of its window. A stream's marks are *gated*: all but their first
+  page goes to the kernel once fetched (cpfs/pagecache.py), so the reader, once past that page, finds
+  the rest there and does not race its push. One more chunk is held every quarter window along
   the stream after it (`marks`), so the window is refilled a quarter at a time while three quarters of
   it are still ahead. With the first alone, the refill resumed at the window's far end, the next marker
   landed there, and the reader emptied the window before the daemon heard of it again: over remote-like
@@ -609,6 +611,7 @@ class FileReader:
         self.pinned: set[int] = set()
         self.inflight: set[int] = set()
         self.held: set[int] = set()         # prefetched, pinned, not pushed to the kernel
+        self.gates: set[int] = set()        # ... but for the first page, once fetched (`_gate`)
         self.pending: dict[int, int] = {}   # prefetched chunk -> bytes, not yet seen used
         # parts of chunks, for a reader of slices (`_read_parts`)
         self.parts: dict[int, list[_Part]] = {}     # chunk -> its parts fetched or in flight, by lo
@@ -679,6 +682,7 @@ class FileReader:
                 for part in list(parts):
                     self._drop_part(i, part)
             self.held.clear()
+            self.gates.clear()
             self.marks.clear()
             wasted = sum(self.pending.values())
             self.unused = set(self.pending)
@@ -728,11 +732,17 @@ class FileReader:
             # the tensor's last (a whole-tensor reader shows).
             first_mark = self.marker is None and 4 * dist >= self.window
             more = self.marker is not None and 4 * (pref[self.cursor] - self.mark_at) >= self.window
-            hold = first_mark or more or (not self.whole and self.cursor == stop - 1)
-            if not self._take(i, hold=hold):
+            last = not self.whole and self.cursor == stop - 1
+            hold = first_mark or more or last
+            # A mark shows the reader's arrival at its first page as well as at any other: the rest goes
+            # to the kernel now (gated, cpfs/pagecache.py), so the reader finds it there. Not so the
+            # tensor's last chunk held for a reader not yet seen to read whole tensors, whose reads
+            # may begin anywhere in it.
+            gate = hold and not last
+            if not self._take(i, hold=hold, gate=gate):
                 if not self.sched.cache.reserve(size):
                     break
-                self._start_prefetch(i, hold=hold)
+                self._start_prefetch(i, hold=hold, gate=gate)
             elif i not in self.held:
                 self.cursor += 1
                 continue
@@ -772,8 +782,9 @@ class FileReader:
             declared = self.expected
         return declared is None or i in declared
 
-    def _start_prefetch(self, i: int, hold: bool = False) -> None:
-        """Prefetch chunk i (its room reserved by the caller). Prefetches started in one go join one
+    def _start_prefetch(self, i: int, hold: bool = False, gate: bool = False) -> None:
+        """Prefetch chunk i (its room reserved by the caller), `hold`ing it back from the kernel, all of
+        it or, `gate`d, its first page. Prefetches started in one go join one
         batch, up to a chunk_size of bytes: one fetch slot and one `prefetch_chunks` call for, say, a
         run of 1 MiB tensors and the small zip-header chunks between them. The batch closes when its
         task starts, i.e. once the code that started it awaits."""
@@ -783,6 +794,8 @@ class FileReader:
         self.touched.add(i)
         if hold:
             self.held.add(i)
+            if gate:
+                self.gates.add(i)
         self.pending[i] = size
         self.prefetched += size
         self.sched._prefetches += 1
@@ -811,6 +824,7 @@ class FileReader:
                     self.sched.cache.release(self.m.chunks[i].raw_len)
                     self.pending.pop(i, None)
                     self.held.discard(i)
+                    self.gates.discard(i)
                 else:
                     todo.append(i)
             got = await self.sched.prefetch_chunks(self.m, todo, owner=self)
@@ -823,16 +837,25 @@ class FileReader:
                 log.debug("prefetch of %s chunk %d failed: %s", self.m.path, i, data)
                 self.pending.pop(i, None)
                 self.held.discard(i)
+                self.gates.discard(i)
                 continue
             self.pinned.add(i)
             if i not in self.held:
                 self._push(i, data)
+            elif i in self.gates:
+                self._gate(i, data)
+            self.gates.discard(i)
         self._kick()
 
     def _push(self, i: int, data: bytes | memoryview) -> None:
         if self.feeder is not None:
             # Consumed once the kernel has it: the reader will not ask us.
             self.feeder.offer(i, data, lambda: self._unpin(i))
+
+    def _gate(self, i: int, data: bytes | memoryview) -> None:
+        """Held chunk i to the kernel but for its first page (a later `_push` sends that)."""
+        if self.feeder is not None:
+            self.feeder.offer(i, data, gate=True)
 
     def _release_held(self, i: int) -> None:
         """A held chunk the reader went past without reading: to the kernel after all (it is here)."""
@@ -855,9 +878,9 @@ class FileReader:
     def _in_kernel(self, i: int) -> bool:
         return self.feeder is not None and i in self.feeder.sent
 
-    def _take(self, i: int, hold: bool = False) -> bool:
+    def _take(self, i: int, hold: bool = False, gate: bool = False) -> bool:
         """Chunk i is in hand, or is now: a chunk our cache holds is claimed (pinned) and handled as a
-        finished prefetch (pushed to the kernel, or held). Unclaimed, the prefetches that follow it
+        finished prefetch (pushed to the kernel, or held, or gated). Unclaimed, the prefetches that follow it
         could evict it (LRU) before the reader comes, who would then wait for a fetch on demand."""
         if i in self.pinned or i in self.inflight or self._in_kernel(i):
             return True
@@ -867,10 +890,12 @@ class FileReader:
             return False
         self.pinned.add(i)
         self.touched.add(i)
-        if hold:
-            self.held.add(i)
-        else:
+        if not hold:
             self._push(i, data)
+            return True
+        self.held.add(i)
+        if gate:
+            self._gate(i, data)
         return True
 
     def _have(self, i: int) -> bool:

@@ -78,6 +78,78 @@ async def test_straddling_page_waits_for_its_other_chunk():
     assert not feeder.holds(i)
 
 
+async def test_a_gated_chunk_goes_but_for_its_first_page_which_waits_for_the_next_offer():
+    """A held chunk gated (a stream's mark): the kernel gets its interior less the first page at once,
+    the chunk counts as sent only when that page follows, and as pushed (dropped from the cache, on_sent
+    run) once both parts landed, in either order. A push `again` sends it whole."""
+    m, data = layout(5)
+    big = max(range(len(m.chunks)), key=lambda i: m.chunks[i].raw_len)
+    piece = data[m.offsets[big]:m.offsets[big + 1]]
+    for tail_first in (True, False):
+        cache = ChunkCache(1 << 30)
+        for i in range(len(m.chunks)):                 # its neighbours too, for the straddling pages
+            got = data[m.offsets[i]:m.offsets[i + 1]]
+            await cache.get(m.chunks[i].digest, len(got), lambda got=got: _ret(got))
+        queued: list[tuple[int, bytes, object]] = []
+
+        def push(inode: int, offset: int, got, done) -> None:
+            queued.append((offset, bytes(got), done))
+
+        feeder = PageFeeder(m, 1, push, cache)
+        lo, hi = feeder._interior(big)
+        assert hi - lo >= 4 * PAGE
+        feeder.offer(big, piece, gate=True)
+        interior = [(o, d) for o, d, _ in queued if lo <= o < hi]
+        assert interior == [(lo + PAGE, data[lo + PAGE:hi])]
+        assert big not in feeder.sent and not feeder.holds(big)
+        feeder.offer(big, piece, gate=True)            # gated already: nothing more
+        assert len([o for o, _, _ in queued if lo <= o < hi]) == 1
+        sent: list[int] = []
+        feeder.offer(big, piece, lambda: sent.append(big))
+        assert big in feeder.sent
+        gate = [(o, d) for o, d, _ in queued if lo <= o < hi][1]
+        assert gate == (lo, data[lo:lo + PAGE])
+        tail_done = next(done for o, _, done in queued if o == lo + PAGE)
+        gate_done = next(done for o, _, done in queued if o == lo)
+        first, second = (tail_done, gate_done) if tail_first else (gate_done, tail_done)
+        first(None)
+        assert sent == [] and big not in feeder.done
+        second(None)
+        assert sent == [big] and big in feeder.done
+        for o, _, done in queued:
+            if not lo <= o < hi:
+                done(None)                             # the straddling pages
+        assert feeder.holds(big) and cache.peek(m.chunks[big].digest) is None
+        queued.clear()
+        feeder.offer(big, piece, again=True)
+        assert [(o, d) for o, d, _ in queued if lo <= o < hi] == [(lo, data[lo:hi])]
+    small = next(i for i in range(len(m.chunks)) if 0 < m.chunks[i].raw_len < 3 * PAGE)
+    queued.clear()
+    PageFeeder(m, 1, push, ChunkCache(1 << 30)).offer(small, data[m.offsets[small]:m.offsets[small + 1]], gate=True)
+    slo, shi = feeder._interior(small)
+    assert not [o for o, _, _ in queued if slo <= o < max(shi, slo + 1)], "too small to gate: held whole"
+
+
+async def test_a_gated_chunks_failed_part_leaves_it_with_the_daemon():
+    import errno
+
+    m, data = layout(5)
+    big = max(range(len(m.chunks)), key=lambda i: m.chunks[i].raw_len)
+    piece = data[m.offsets[big]:m.offsets[big + 1]]
+    cache = ChunkCache(1 << 30)
+    await cache.get(m.chunks[big].digest, len(piece), lambda: _ret(piece))
+
+    def push(inode: int, offset: int, got, done) -> None:
+        done(OSError(errno.EIO, "refused") if offset == lo + PAGE else None)
+
+    feeder = PageFeeder(m, 1, push, cache)
+    lo, _ = feeder._interior(big)
+    feeder.offer(big, piece, gate=True)
+    sent: list[int] = []
+    feeder.offer(big, piece, lambda: sent.append(big))
+    assert sent == [big] and big not in feeder.done and cache.peek(m.chunks[big].digest) is not None
+
+
 async def test_a_refused_push_leaves_the_chunk_with_the_daemon_for_the_reader(autojump_clock):
     """The kernel refused the pages (or has no notify_store): the chunk is not taken for the kernel's,
     so the cache keeps it and its reads are not taken for dropped pages; `on_sent` still runs."""

@@ -380,6 +380,59 @@ async def test_a_whole_file_reader_finds_the_window_filled_ahead_a_quarter_at_a_
     assert late == 0
 
 
+async def test_a_reader_at_a_mark_finds_the_rest_of_its_chunk_with_the_kernel(autojump_clock):
+    """Page faults come faster than a push lands (a thread call, the kernel's copy). A stream's mark was
+    held whole, pushed only once the reader's read reached it, and the reader's next faults in that
+    chunk outran the push: each asked the daemon. Gated, the mark's pages but the first went to the
+    kernel when it was fetched: the reader asks for that one page, and for nothing else once the
+    window is full."""
+    store = FakeStore(latency=0.008)
+    m, data, index = checkpoint(store)
+    asked: list[tuple[int, int]] = []
+    async with trio.open_nursery() as n:
+        kernel = SlowKernel(len(data), n, delay=0.003)
+        sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config(max=8 * CHUNK, read_ahead_kb=16),
+                          on_chunk=kernel.push)
+        reader = Asked(await sched.open(n, m, index), asked)
+        await trio.sleep(1)
+        out = bytearray()
+        for off in range(0, m.size, 16 * 1024):       # a fault every millisecond, 16 KiB around it
+            out += await kernel.read(reader, off, 16 * 1024)
+            await trio.sleep(0.001)
+        assert reader.reader.window == 8 * CHUNK
+        await reader.reader.aclose()
+    assert bytes(out) == data
+    assert sorted(fetched(store, m)) == list(range(len(m.chunks)))      # each chunk once
+    late = [(off, size) for off, size in asked if off >= m.size // 2]   # the window is full from a half on
+    print(f"{len(asked)} reads reached the daemon, {len(late)} in the second half: {late}")
+    assert late and all(off % CHUNK == 0 and size == 4096 for off, size in late)
+
+
+class SlowKernel(Kernel):
+    """A page cache whose pushes land `delay` seconds after they are made."""
+
+    def __init__(self, size: int, nursery: trio.Nursery, delay: float) -> None:
+        super().__init__(size)
+        self.nursery, self.delay = nursery, delay
+
+    def push(self, inode: int, offset: int, piece, done) -> None:
+        async def land() -> None:
+            await trio.sleep(self.delay)
+            super(SlowKernel, self).push(inode, offset, piece, done)
+        self.nursery.start_soon(land)
+
+
+class Asked:
+    """A reader whose reads (what reached the daemon) are logged."""
+
+    def __init__(self, reader, log: list[tuple[int, int]]) -> None:
+        self.reader, self.log = reader, log
+
+    async def read(self, offset: int, size: int):
+        self.log.append((offset, size))
+        return await self.reader.read(offset, size)
+
+
 @pytest.mark.parametrize("per", [8, 32])
 async def test_a_loader_whose_threads_read_each_tensors_halves_at_once_keeps_one_stream(autojump_clock, per: int):
     """torch's ops on a mapped tensor run on several threads: `.sum()` of a tensor read through
