@@ -190,7 +190,12 @@ def mount(mountpoint: Path, config: Path | None = None, log_file: Path | None = 
         mountpoint.mkdir(exist_ok=True)    # else cpfs says what is missing
     cmd = [sys.executable, str(ROOT / "mount.py")] + (["--config", str(config)] if config else [])
     cmd += [str(mountpoint)] + (["--log-file", str(log_file)] if log_file else [])
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    # A benchmark's stores keep their mount's cache (learned plans; staging, if the config names no
+    # folder) in `cache/` beside their config: most are temporary, made afresh each run, and each left
+    # a learned-plan file in the user's ~/.cache/cpfs, never removed.
+    env = None if config is None else {**os.environ,
+                                       "XDG_CACHE_HOME": str(Path(config).absolute().parent / "cache")}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     m = re.search(r"daemon pid (\d+), log (.+?)\)\s*$", r.stderr, re.MULTILINE)
     if r.returncode != 0 or not m:
         raise BenchError(f"mount failed: `{' '.join(cmd)}` exit {r.returncode}: {r.stderr.strip()}")
