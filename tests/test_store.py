@@ -3,6 +3,8 @@ guarantees, the simulated link (ThrottledStore), store tables and the kind regis
 replica fallback, listing and dedup, all on real folders under tmp_path."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import resource
@@ -254,6 +256,47 @@ async def test_a_folder_that_refuses_o_direct_is_read_through_the_page_cache(
         assert [await store.get_with(k, bytes, limiter) for k in payloads] == list(payloads.values())
         assert await store.get_many_with([(k, bytes) for k in payloads], limiter) == list(payloads.values())
     refused = [r for r in caplog.records if "O_DIRECT opens refused" in r.getMessage()]
+    assert len(refused) == 1 and "'s0'" in refused[0].getMessage()
+
+
+class RefusesDirectReads(DirectoryStore):
+    """A folder whose filesystem takes O_DIRECT opens but refuses the reads (EINVAL), as one that wants
+    a larger alignment than a page would."""
+
+    def _fill(self, fd: int, into: memoryview, size: int, direct: bool) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return super()._fill(fd, into, size, direct)
+
+
+@pytest.mark.parametrize("first", ["alone", "batch", "together"])
+async def test_a_folder_that_refuses_o_direct_reads_after_the_open_is_read_through_the_page_cache(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, first: str) -> None:
+    """The refusal comes at the read, not the open: that read is made again through the page cache (a
+    read alone, or a batch's), the store says so once, and every read after goes that way. So are the
+    reads opened with O_DIRECT before the first refusal: the rest of the batch (they failed with EINVAL
+    once the first had turned O_DIRECT off), and reads in other threads."""
+    caplog.set_level(logging.INFO, logger="cpfs.store.directory")
+    store = RefusesDirectReads("s0", tmp_path / "s0", trio.CapacityLimiter(6))
+    payloads = {f"chunks/ab/ab{i:02}": os.urandom(100_000 + 4097 * i) for i in range(6)}
+    for k, v in payloads.items():
+        await store.put(k, v)
+    limiter = trio.CapacityLimiter(6)
+    reads = [(k, bytes) for k in payloads]
+    if first == "batch":
+        assert await store.get_many_with(reads, limiter) == list(payloads.values())
+    elif first == "together":
+        got: dict[str, bytes] = {}
+
+        async def one(k: str) -> None:
+            got[k] = await store.get_with(k, bytes, limiter)
+        async with trio.open_nursery() as n:
+            for k in payloads:
+                n.start_soon(one, k)
+        assert got == payloads
+    assert [await store.get_with(k, bytes, limiter) for k in payloads] == list(payloads.values())
+    assert await store.get_many_with(reads, limiter) == list(payloads.values())
+    refused = [r for r in caplog.records if "O_DIRECT reads refused" in r.getMessage()]
     assert len(refused) == 1 and "'s0'" in refused[0].getMessage()
 
 

@@ -218,14 +218,14 @@ class DirectoryStore(Store):
         """The whole object in a reused buffer (cpfs.buffers). With O_DIRECT where the folder's
         filesystem takes it: from the disk straight into the buffer, no copy, and no page-cache pages
         to add and drop again; elsewhere a plain read, its pages dropped as in `_read_sync`."""
-        fd = self._open_read(path)
+        fd, direct = self._open_read(path)
         try:
             size = os.fstat(fd).st_size
             view = memoryview(POOL.take(size))
             try:
-                got = self._fill(fd, view[:_whole_pages(size)], size)
+                got = self._fill(fd, view[:_whole_pages(size)], size, direct)
             except OSError as e:
-                if not self._direct or e.errno != errno.EINVAL:
+                if not direct or e.errno != errno.EINVAL:
                     raise
                 return self._no_direct(path, e)
             return view[:got]
@@ -233,9 +233,12 @@ class DirectoryStore(Store):
             os.close(fd)
 
     def _no_direct(self, path: Path, e: OSError) -> memoryview:
-        """The folder's filesystem refuses O_DIRECT (or its alignment): plain reads from now on."""
-        log.info("store %r: O_DIRECT reads refused (%s); reading through the page cache", self.name, e.strerror)
-        self._direct = False
+        """The folder's filesystem refused an O_DIRECT read (or its alignment) after the open: plain
+        reads from now on, this one first. Reads opened with O_DIRECT before the first refusal (other
+        threads, the rest of a batch) come here too, and are read again the same way."""
+        if self._direct:
+            log.info("store %r: O_DIRECT reads refused (%s); reading through the page cache", self.name, e.strerror)
+            self._direct = False
         return self._read_into_sync(path)
 
     def _read_with_sync(self, path: Path, fn: Callable[[bytes | memoryview], T]) -> T:
@@ -255,13 +258,13 @@ class DirectoryStore(Store):
         pages into aligned places): a batch of small chunks takes one chunk-sized buffer, whose pages the
         pool keeps backed (cpfs/buffers.py), instead of a fresh one per chunk. The buffer stays taken
         while any of its objects' views lives (the cache holds raw chunks as views)."""
-        opened: list[tuple[int, int] | StoreError] = []     # (fd, size), or why the object is not read
+        opened: list[tuple[int, int, bool] | StoreError] = []   # (fd, size, O_DIRECT), or why not read
         try:
             for key, _ in reads:
                 path = self._path(key)
                 try:
-                    fd = self._open_read(path)
-                    opened.append((fd, os.fstat(fd).st_size))
+                    fd, direct = self._open_read(path)
+                    opened.append((fd, os.fstat(fd).st_size, direct))
                 except FileNotFoundError as e:
                     if self._gone():
                         raise StoreUnavailable(self.name, f"folder {self.root} is gone") from None
@@ -280,11 +283,11 @@ class DirectoryStore(Store):
                 if not isinstance(o, tuple):
                     results.append(o)
                     continue
-                fd, size = o
+                fd, size, direct = o
                 try:
-                    data = view[at:at + self._fill(fd, view[at:at + _whole_pages(size)], size)]
+                    data = view[at:at + self._fill(fd, view[at:at + _whole_pages(size)], size, direct)]
                 except OSError as e:
-                    if not (self._direct and e.errno == errno.EINVAL):
+                    if not (direct and e.errno == errno.EINVAL):
                         results.append(self._error(e, key))
                         continue
                     try:                                  # O_DIRECT refused after the open: as a single read
@@ -299,20 +302,20 @@ class DirectoryStore(Store):
                 if isinstance(o, tuple):
                     os.close(o[0])
 
-    def _open_read(self, path: Path) -> int:
-        """An fd to read `path` with, O_DIRECT where the folder's filesystem takes it."""
+    def _open_read(self, path: Path) -> tuple[int, bool]:
+        """An fd to read `path` with, and whether it is O_DIRECT (where the folder's filesystem takes it)."""
         if self._direct:
             try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+                return os.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 log.info("store %r: O_DIRECT opens refused (%s); reading through the page cache", self.name,
                          e.strerror)
                 self._direct = False
-        return os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY), False
 
-    def _fill(self, fd: int, into: memoryview, size: int) -> int:
+    def _fill(self, fd: int, into: memoryview, size: int, direct: bool) -> int:
         """Read the `size` bytes of fd into `into` (whole pages for O_DIRECT); the bytes read. Without
         O_DIRECT the file's pages are dropped after, as in `_read_sync`."""
         got = 0
@@ -321,7 +324,7 @@ class DirectoryStore(Store):
             if not n:
                 break
             got += n
-        if not self._direct:
+        if not direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return got
 
