@@ -783,11 +783,11 @@ class FileReader:
         return declared is None or i in declared
 
     def _start_prefetch(self, i: int, hold: bool = False, gate: bool = False) -> None:
-        """Prefetch chunk i (its room reserved by the caller), `hold`ing it back from the kernel, all of
-        it or, `gate`d, its first page. Prefetches started in one go join one
-        batch, up to a chunk_size of bytes: one fetch slot and one `prefetch_chunks` call for, say, a
-        run of 1 MiB tensors and the small zip-header chunks between them. The batch closes when its
-        task starts, i.e. once the code that started it awaits."""
+        """Prefetch chunk i (its room reserved by the caller), `hold`ing it back from the kernel: all of
+        it, or (`gate`) its first page. Prefetches started in one go join one batch, up to a chunk_size
+        of bytes: one fetch slot and one `prefetch_chunks` call for, say, a run of 1 MiB tensors and the
+        small zip-header chunks between them. The batch closes when its task starts, i.e. once the code
+        that started it awaits."""
         assert self._nursery is not None
         size = self.m.chunks[i].raw_len
         self.inflight.add(i)
@@ -880,8 +880,8 @@ class FileReader:
 
     def _take(self, i: int, hold: bool = False, gate: bool = False) -> bool:
         """Chunk i is in hand, or is now: a chunk our cache holds is claimed (pinned) and handled as a
-        finished prefetch (pushed to the kernel, or held, or gated). Unclaimed, the prefetches that follow it
-        could evict it (LRU) before the reader comes, who would then wait for a fetch on demand."""
+        finished prefetch (pushed to the kernel, held, or gated). Unclaimed, the prefetches that follow
+        it could evict it (LRU) before the reader comes, who would then wait for a fetch on demand."""
         if i in self.pinned or i in self.inflight or self._in_kernel(i):
             return True
         size = self.m.chunks[i].raw_len
