@@ -261,10 +261,12 @@ async def test_a_folder_that_refuses_o_direct_is_read_through_the_page_cache(
 
 class RefusesDirectReads(DirectoryStore):
     """A folder whose filesystem takes O_DIRECT opens but refuses the reads (EINVAL), as one that wants
-    a larger alignment than a page would."""
+    a larger alignment than a page would; after 50 ms, so that reads in several threads all open their
+    files with O_DIRECT before the first refusal."""
 
     def _fill(self, fd: int, into: memoryview, size: int, direct: bool) -> int:
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            time.sleep(0.05)
             raise OSError(errno.EINVAL, "Invalid argument")
         return super()._fill(fd, into, size, direct)
 

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -152,6 +153,7 @@ class DirectoryStore(Store):
         # export, a lost disk), puts must fail rather than start an empty store in its place.
         self._root_seen = self.root.is_dir()
         self._direct = True           # O_DIRECT chunk reads, until the filesystem refuses them
+        self._direct_lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
         if not key or key.startswith("/") or ".." in key.split("/") or "\0" in key:
@@ -236,10 +238,16 @@ class DirectoryStore(Store):
         """The folder's filesystem refused an O_DIRECT read (or its alignment) after the open: plain
         reads from now on, this one first. Reads opened with O_DIRECT before the first refusal (other
         threads, the rest of a batch) come here too, and are read again the same way."""
-        if self._direct:
-            log.info("store %r: O_DIRECT reads refused (%s); reading through the page cache", self.name, e.strerror)
-            self._direct = False
+        self._no_more_direct("reads", e)
         return self._read_into_sync(path)
+
+    def _no_more_direct(self, what: str, e: OSError) -> None:
+        """Plain reads from now on; said once, whichever of the threads that met the refusal comes first."""
+        with self._direct_lock:
+            was, self._direct = self._direct, False
+        if was:
+            log.info("store %r: O_DIRECT %s refused (%s); reading through the page cache", self.name, what,
+                     e.strerror)
 
     def _read_with_sync(self, path: Path, fn: Callable[[bytes | memoryview], T]) -> T:
         return fn(self._read_into_sync(path))
@@ -310,9 +318,7 @@ class DirectoryStore(Store):
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                log.info("store %r: O_DIRECT opens refused (%s); reading through the page cache", self.name,
-                         e.strerror)
-                self._direct = False
+                self._no_more_direct("opens", e)
         return os.open(path, os.O_RDONLY), False
 
     def _fill(self, fd: int, into: memoryview, size: int, direct: bool) -> int:
