@@ -110,8 +110,9 @@ class PageFeeder:
         """Chunk i's bytes are here: push its interior once, and every straddling page it completes.
         `on_sent` runs once the interior is with the kernel (at once if another open pushed it).
         `again`: push them even if they were pushed before (the kernel may have dropped them since).
-        `gate`: push the interior but for its first page, which a later offer of i pushes (a chunk of
-        fewer than GATED_MIN whole pages keeps its interior back); i is not `sent` until then."""
+        `gate`: push the interior but for its first page, which a later offer of i pushes; i is not
+        `sent` until then. A chunk of fewer than GATED_MIN whole pages is held whole, its straddling
+        pages too: one without a whole page would else never be read through the daemon."""
         if again:
             self.sent.discard(i)
             self.gated.pop(i, None)
@@ -120,7 +121,9 @@ class PageFeeder:
             lo, hi = self._interior(i)
             view = memoryview(data)[lo - self.m.offsets[i]:hi - self.m.offsets[i]]
             if gate:
-                if i not in self.gated and hi - lo >= GATED_MIN * PAGE:
+                if hi - lo < GATED_MIN * PAGE:
+                    return
+                if i not in self.gated:
                     g = self.gated[i] = _Gate()
                     self._send(lo + PAGE, view[PAGE:], g.tail_landed)
             else:

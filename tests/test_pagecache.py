@@ -124,10 +124,16 @@ async def test_a_gated_chunk_goes_but_for_its_first_page_which_waits_for_the_nex
         feeder.offer(big, piece, again=True)
         assert [(o, d) for o, d, _ in queued if lo <= o < hi] == [(lo, data[lo:hi])]
     small = next(i for i in range(len(m.chunks)) if 0 < m.chunks[i].raw_len < 3 * PAGE)
+    full = ChunkCache(1 << 30)                          # its neighbours at hand: its straddling pages could go
+    for i in range(len(m.chunks)):
+        got = data[m.offsets[i]:m.offsets[i + 1]]
+        await full.get(m.chunks[i].digest, len(got), lambda got=got: _ret(got))
     queued.clear()
-    PageFeeder(m, 1, push, ChunkCache(1 << 30)).offer(small, data[m.offsets[small]:m.offsets[small + 1]], gate=True)
+    PageFeeder(m, 1, push, full).offer(small, data[m.offsets[small]:m.offsets[small + 1]], gate=True)
     slo, shi = feeder._interior(small)
     assert not [o for o, _, _ in queued if slo <= o < max(shi, slo + 1)], "too small to gate: held whole"
+    # ... its straddling pages too: a chunk without a whole page would else never be read through us
+    assert queued == []
 
 
 async def test_a_gated_chunks_failed_part_leaves_it_with_the_daemon():
