@@ -517,6 +517,18 @@ class CpfsOperations(pyfuse3.Operations):
             node.take_manifest(await self.catalog.manifest(node.summary))
         return node.manifest
 
+    async def _base(self, node: Node, truncate: bool) -> Manifest | None:
+        """The version a write session starts from. A truncating open needs it only to tell whether it
+        replaces a checkpoint: a version it cannot read then does not keep the file from being written
+        over (None: judged no checkpoint)."""
+        try:
+            return await self._manifest(node)
+        except ManifestError as e:
+            if not truncate:
+                raise
+            log.warning("%s: writing over a version that cannot be read (%s)", node.path, e)
+            return None
+
     async def _session(self, node: Node, truncate: bool, mode: int | None = None,
                        explicit: bool = False) -> Writing:
         """The node's write session, created on first writable open (from the committed version,
@@ -531,7 +543,11 @@ class CpfsOperations(pyfuse3.Operations):
         w = self.writing.get(node.ino)
         if w is None:
             assert self.nursery is not None
-            base = None if node.summary is None or node.summary.size == 0 else await self._manifest(node)
+            # An empty file too starts from its version, unless truncated: without a base a session
+            # has nothing committed, so a close with no write would commit an empty version over
+            # whatever another mount saved meanwhile.
+            base = None if node.summary is None or (truncate and node.summary.size == 0) else \
+                await self._base(node, truncate)
             # Its unchanged chunks are committed by reference, unchecked: held while the session runs.
             hold = self._hold(base, at_once=True) if base and not truncate else None
             if node.ino in self.writing or node.ino in self._settling:     # another open or a chmod meanwhile

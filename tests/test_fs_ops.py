@@ -39,21 +39,22 @@ ROUNDS = 40
 
 
 @asynccontextmanager
-async def operations(folder: Path, faulty: list[FaultyStore] | None = None
-                     ) -> AsyncIterator[tuple[CpfsOperations, Catalog]]:
+async def operations(folder: Path, faulty: list[FaultyStore] | None = None, staging: str = "staging",
+                     writer: str | None = None) -> AsyncIterator[tuple[CpfsOperations, Catalog]]:
     """The daemon's stack (cpfs/daemon.py: serve) over folder stores, without pyfuse3.main; with
-    `faulty` (an empty list to fill), each store wrapped in a FaultyStore the test can turn down."""
+    `faulty` (an empty list to fill), each store wrapped in a FaultyStore the test can turn down. Two
+    at once over one folder are two mounts of the same stores: each needs its own `staging` (and
+    `writer` id, as two processes would have)."""
     config = load_config(write_config(folder, chunk_size="1MiB"))
     if faulty is not None:
         faulty.extend(FaultyStore(open_store(s)) for s in config.stores)
     pool = StorePool(config, stores=faulty)
     await pool.check()
-    catalog = Catalog(pool)
+    catalog = Catalog(pool, **({"writer": writer} if writer else {}))
     sched = Scheduler(ChunkCache(config.cache_memory), pool.fetch_chunk, config, fetch_many=pool.fetch_chunks,
                       fetch_blocks=pool.fetch_blocks)
-    staging = folder / "staging"
-    staging.mkdir()
-    ops = CpfsOperations(Namespace(await catalog.load_all()), sched, catalog, config, staging)
+    (folder / staging).mkdir()
+    ops = CpfsOperations(Namespace(await catalog.load_all()), sched, catalog, config, folder / staging)
     async with trio.open_nursery() as n:
         ops.nursery = n
         await n.start(pool.run)         # store health: probes stores marked down until they answer
@@ -547,3 +548,50 @@ async def test_a_mount_that_listed_a_failed_commit_before_it_was_voided_goes_bac
         assert writer.statistics().voided == 1
         ino = await reopened(ino)
         assert await read(ino) == b"version 1"
+
+
+@pytest.mark.parametrize("initial", [b"", b"version 1"])
+async def test_an_open_for_writing_closed_unwritten_commits_nothing(tmp_path: Path, initial: bytes) -> None:
+    """open(f, "a") and close, nothing written: no new version, for an empty file too. Mount A holds
+    the file open so while mount B saves over it: B's save stays current. An empty file's session once
+    started without its version, so A's close committed an empty version over B's save."""
+    ctx = pyfuse3.RequestContext()
+    saved = b"B's checkpoint"
+    async with operations(tmp_path, staging="staging-a", writer="aa") as (a, catalog):
+        await new_file(a, pyfuse3.ROOT_INODE, b"f", initial)
+        before = await catalog.current("/f")
+        ino = (await a.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+        fh = (await a.open(ino, os.O_WRONLY | os.O_APPEND, ctx)).fh
+        await a.flush(fh)                                        # a close: nothing to commit
+        assert (await catalog.current("/f")).order == before.order
+        async with operations(tmp_path, staging="staging-b", writer="bb") as (b, _):
+            fb = await save(b, (await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino, saved)
+            await b.release(fb)
+        await a.flush(fh)
+        await a.release(fh)
+        now = await catalog.current("/f")
+        assert (now.writer, now.size) == ("bb", len(saved))
+        assert now.version == before.version + 1
+
+
+@pytest.mark.parametrize("broken", ["summary", "body"])
+async def test_an_open_with_o_trunc_writes_over_a_version_that_cannot_be_read(tmp_path: Path, broken: str) -> None:
+    """Every copy of the file's manifest is cut short (its summary line, or its body: chunks and tensor
+    index). A new mount cannot read the file (EIO), but a save over it with O_TRUNC works: it needs
+    nothing of that version. A cut body once failed that open too."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="staging-a") as (ops, _):
+        await new_file(ops, pyfuse3.ROOT_INODE, b"ckpt.pt", os.urandom(100_000))
+    copies = list(tmp_path.glob(f"stores/*/manifests/{path_hash('/ckpt.pt')}/*.json"))
+    assert len(copies) >= 2
+    for f in copies:
+        head, _, body = f.read_bytes().partition(b"\n")
+        f.write_bytes(head + b"\n" + body[:len(body) // 2] if broken == "body" else head[:len(head) // 2] + b"\n" + body)
+    async with operations(tmp_path, staging="staging-b") as (ops, catalog):
+        ino = (await ops.lookup(pyfuse3.ROOT_INODE, b"ckpt.pt", ctx)).st_ino
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.open(ino, os.O_RDONLY, ctx)
+        assert e.value.errno == errno.EIO
+        fh = await save(ops, ino, b"new bytes")
+        await ops.release(fh)
+        assert (await catalog.current("/ckpt.pt")).size == len(b"new bytes")
