@@ -12,6 +12,14 @@ mtime for the other times), and readers that predate them ignore them.
 
 Every field is checked on load, since a manifest comes from a store we do not control: a bad one must
 make its own file unreadable, never crash a listing of its neighbours (a size beyond 2**63 once did).
+
+Each line carries a check, as each chunk does (cpfs/chunk.py): the summary line ends with
+`"check"`, a BLAKE3-128 of the line's bytes before it, and holds `"body_check"`, that of the body line.
+A copy whose bits rotted may still parse, with another chunk's name in it: trusted, gc would delete
+the chunks the good copies name, and a reader would fail on a chunk that does not exist. A copy that
+fails its check is unreadable like a malformed one, so readers, gc and scrub take another copy. The
+check is where a listing's ranged read of the summary finds it; manifests written before it have none
+and load as before. Readers that predate it ignore both keys.
 """
 from __future__ import annotations
 
@@ -126,7 +134,7 @@ class Summary:
         line, nl, _ = bytes(data).partition(b"\n")
         if not nl:
             raise ManifestError(f"{where}: no summary line in the first {len(data)} bytes")
-        return _parse_summary(_loads(line, where), where)
+        return _parse_summary(_checked_head(line, where), where)
 
 
 @dataclass(frozen=True)
@@ -212,17 +220,22 @@ class Manifest:
         if any(c.blocks for c in self.chunks):
             # Beside the chunk list, not in its entries: readers that predate it ignore the key.
             body["blocks"] = {"size": BLOCK, "checks": [base64.b64encode(c.blocks).decode() for c in self.chunks]}
-        line = json.dumps(head, separators=(",", ":")).encode()
+        rest = json.dumps(body, separators=(",", ":")).encode()
+        head["body_check"] = _check(rest)
+        line = json.dumps(head, separators=(",", ":")).encode()[:-1]
+        line += b',"check":"' + _check(line).encode() + b'"}'
         if len(line) >= SUMMARY_MAX:
             raise ManifestError(f"{self.path}: summary of {len(line)} bytes is too long")
-        return line + b"\n" + json.dumps(body, separators=(",", ":")).encode()
+        return line + b"\n" + rest
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "manifest") -> "Manifest":
         """Parse and validate; anything inconsistent raises ManifestError naming `where`.
         Format 1 (one JSON document) is read too."""
         head, nl, body = bytes(data).partition(b"\n")
-        doc = _loads(head, where)
+        doc = _checked_head(head, where)
+        if isinstance(doc, dict) and "body_check" in doc and (not nl or doc["body_check"] != _check(body)):
+            raise ManifestError(f"{where}: the body does not match its check: a damaged copy")
         if nl:
             more = _loads(body, where)
             if isinstance(doc, dict) and isinstance(more, dict):
@@ -276,6 +289,28 @@ def _with_blocks(chunks: list[ChunkEntry], raw: Any) -> list[ChunkEntry]:
             raise ValueError(f"chunk {c.digest[:16]}: {len(checks)} bytes of block checks for {c.raw_len} bytes")
         out.append(dataclasses.replace(c, blocks=checks))
     return out
+
+
+_TRAILER = b',"check":"'
+_CHECK_HEX = 32
+
+
+def _check(data: bytes) -> str:
+    """A manifest line's check: BLAKE3-128, hex."""
+    return blake3.blake3(data).hexdigest(_CHECK_HEX // 2)
+
+
+def _checked_head(line: bytes, where: str) -> Any:
+    """The summary line, parsed, once its check matches (a line without a check: written before it).
+    A "body_check" without the line's own check is a damaged copy too: both are written together."""
+    doc = _loads(line, where)
+    if isinstance(doc, dict) and ("check" in doc or "body_check" in doc):
+        end = len(line) - _CHECK_HEX - 2
+        if not (line.endswith(b'"}') and line[end - len(_TRAILER):end] == _TRAILER
+                and line[end:-2] == _check(line[:end - len(_TRAILER)]).encode()
+                and isinstance(doc.get("body_check"), str)):
+            raise ManifestError(f"{where}: the summary does not match its check: a damaged copy")
+    return doc
 
 
 def _loads(data: bytes, where: str) -> Any:

@@ -268,7 +268,7 @@ def test_block_checks_round_trip_beside_the_chunk_list_and_are_optional() -> Non
                                                     for c in chunks))
     assert b'"blocks"' not in plain.to_bytes() and Manifest.from_bytes(plain.to_bytes()) == plain
     body["blocks"]["size"] = chunkfmt.BLOCK * 2
-    head = raw.split(b"\n")[0]
+    head = json.dumps(_unchecked(raw.split(b"\n")[0])).encode()
     assert all(c.blocks == b"" for c in Manifest.from_bytes(head + b"\n" + json.dumps(body).encode()).chunks)
     for bad in [{"size": chunkfmt.BLOCK, "checks": ["", ""][:1]},                    # one per chunk
                 {"size": chunkfmt.BLOCK, "checks": ["AAAA", ""]},                     # 3 bytes for 3 blocks
@@ -279,10 +279,57 @@ def test_block_checks_round_trip_beside_the_chunk_list_and_are_optional() -> Non
             Manifest.from_bytes(head + b"\n" + json.dumps(body).encode(), where="m")
 
 
+def test_a_manifest_copy_whose_bits_rotted_is_refused_even_when_it_parses() -> None:
+    """Every line carries a check: one flipped bit anywhere (a chunk's name still a name, a size still
+    a number) makes the copy unreadable, so readers, gc and scrub take another. A flip in the body
+    leaves the summary readable (a listing reads only that line). A manifest written before the checks
+    (neither key) loads; a line that lost one of its two keys, or whose trailer moved, is refused."""
+    m = _manifest(tensor_index={"version": 1, "format": "safetensors", "tensors": [{"name": "w"}]})
+    data = m.to_bytes()
+    assert Manifest.from_bytes(data) == m
+    head_len = data.index(b"\n")
+    rng = random.Random(7)
+    flips = 0
+    for at in sorted(rng.sample(range(len(data)), 300)) + [head_len - 3, head_len + 5, len(data) - 2]:
+        for bit in (0, 1, 5):
+            bad = bytearray(data)
+            bad[at] ^= 1 << bit
+            if bad[at] == ord("\n"):
+                continue
+            flips += 1
+            with pytest.raises(ManifestError, match="where"):
+                Manifest.from_bytes(bytes(bad), where="where")
+            if at > head_len:
+                assert Summary.from_bytes(bytes(bad)) == m.summary
+            else:
+                with pytest.raises(ManifestError):
+                    Summary.from_bytes(bytes(bad))
+    assert flips > 800
+    head, body = data.split(b"\n")
+    older = json.dumps(_unchecked(head), separators=(",", ":")).encode() + b"\n" + body
+    assert Manifest.from_bytes(older) == m
+    doc = json.loads(head)
+    for lost in ("check", "body_check"):
+        one = {k: v for k, v in doc.items() if k != lost}
+        with pytest.raises(ManifestError, match="check"):
+            Manifest.from_bytes(json.dumps(one, separators=(",", ":")).encode() + b"\n" + body)
+    moved = {"check": doc["check"], **{k: v for k, v in doc.items() if k != "check"}}
+    with pytest.raises(ManifestError, match="check"):
+        Manifest.from_bytes(json.dumps(moved, separators=(",", ":")).encode() + b"\n" + body)
+
+
+def _unchecked(head: bytes) -> dict:
+    """A summary line without its checks, as manifests were written before them (so that a test can
+    change the body, or the fields, and reach the checks of the fields)."""
+    doc = json.loads(head)
+    del doc["check"], doc["body_check"]
+    return doc
+
+
 def _doc() -> dict:
     """A manifest as one JSON document (the summary line and the body merged; format 1 reads so too)."""
     head, body = _manifest().to_bytes().split(b"\n")
-    return {**json.loads(body), **json.loads(head)}
+    return {**json.loads(body), **_unchecked(head)}
 
 
 def _mutations():

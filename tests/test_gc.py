@@ -1017,3 +1017,32 @@ async def test_a_purge_cut_short_leaves_the_path_removed(tmp_path: Path) -> None
     assert [i.ref.state for i in await Writer(tmp_path, cfg, "c3").catalog.history("/old.pt")] == ["deleted", "ok"]
     assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()).purged == 1
     assert not list(_stores_root(tmp_path).glob(f"s*/manifests/{h}/*"))
+
+
+@pytest.mark.parametrize("rotten", [0, 1])
+async def test_a_manifest_copy_whose_bits_rotted_does_not_lead_gc_astray(tmp_path: Path, rotten: int) -> None:
+    """One bit flips in one copy of a manifest, inside a chunk's name: the copy still parses, and names
+    a chunk that does not exist instead of one that does. The copy fails its check (cpfs/manifest.py),
+    so gc reads the intact copy and keeps the chunk; before the checks it read whichever copy came first
+    (here the rotten one: the intact copy's store answers 30 ms later) and deleted every copy of it.
+    Found by an audit; the rotten copy, the other way round, changes nothing either."""
+    cfg = _config(tmp_path)
+    w = Writer(tmp_path, cfg, "a1")
+    data = os.urandom(SIZE)
+    m = await w.put("/ckpt.pt", data)
+    _age_chunks(tmp_path)
+    victim = m.chunks[0].digest
+    copies = sorted(_stores_root(tmp_path).glob(f"s*/manifests/{path_hash('/ckpt.pt')}/*"))
+    assert len(copies) == 2
+    bad, good = copies[rotten], copies[1 - rotten]
+    raw = bytearray(bad.read_bytes())
+    at = next(i for i in range(raw.index(victim.encode()), len(raw)) if raw[i] in b"0123456789abcdef"
+              and raw[i] ^ 1 in b"0123456789abcdef")
+    raw[at] ^= 1
+    bad.write_bytes(raw)
+    assert json.loads(bytes(raw).split(b"\n")[1])["chunks"][0][0] != victim     # parses, names another chunk
+    intact = good.relative_to(_stores_root(tmp_path)).parts[0]
+    report = await _gc(cfg, wrap=lambda s: ThrottledStore(s, latency=0.03) if s.name == intact else s)
+    assert not report.refused
+    assert _missing_copies(tmp_path, m) == []
+    assert await Writer(tmp_path, cfg, "b2").read("/ckpt.pt") == data

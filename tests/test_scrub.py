@@ -392,3 +392,27 @@ def test_path_limits_the_scrub(tmp_path: Path) -> None:
     rc, j = _scrub(config, "--repair", "/tree/sub/")
     assert rc == 0 and j["repaired"] == 1 and _good(bad, c.digest)
     assert _scrub(config, "/")[0] == 0
+
+
+def test_a_manifest_copy_whose_bits_rotted_is_found_and_repaired(tmp_path: Path) -> None:
+    """One bit flipped in a chunk's name in one manifest copy: it still parses, but fails its check
+    (cpfs/manifest.py), so scrub reports that copy corrupt and --repair rewrites it from the intact one.
+    Before the checks scrub took it for a good copy."""
+    config = _config(tmp_path / "cfg")
+    files = _tree(tmp_path, config)
+    c = _entries(config, "/tree/sub/c.bin")[0]
+    store, key = next(k for k in _objects(config) if k[1].startswith(f"manifests/{path_hash('/tree/sub/c.bin')}/"))
+    path = config.parent / "stores" / store / key
+    raw = bytearray(path.read_bytes())
+    at = raw.index(c.digest.encode()) + next(i for i, ch in enumerate(c.digest) if ch.isdigit())   # x ^ 1: a digit
+    raw[at] ^= 1
+    path.write_bytes(raw)
+    assert json.loads(bytes(raw).split(b"\n")[1])["chunks"][0][0] != c.digest
+    rc, j = _scrub(config)
+    assert rc == 1 and j["manifest_corrupt"] == 1
+    assert {(p["what"], p["kind"], p["store"], p["key"]) for p in j["problems"]} >= {("manifest", "corrupt", store, key)}
+    rc, j = _scrub(config, "--repair")
+    assert rc == 0 and j["repaired"] == 1
+    other = next(s for s, k in _objects(config) if k == key and s != store)
+    assert path.read_bytes() == (config.parent / "stores" / other / key).read_bytes()
+    _assert_reads(config, files)
