@@ -517,6 +517,16 @@ class CpfsOperations(pyfuse3.Operations):
             node.take_manifest(await self.catalog.manifest(node.summary))
         return node.manifest
 
+    async def _stop_pushes(self, ino: int) -> None:
+        """A write session of the file begins: the kernel will cache the written bytes in its pages, so
+        no page-cache push of a version read so far (a reader's prefetches still in flight) may land
+        after this returns, nor any until the session ends (`Scheduler.writing`, `written`). Landing
+        after a write, an old push put the version before back over the written bytes, in this open
+        and in every later one (found by an audit, with slow stores)."""
+        self.sched.writing(ino)
+        if self.pusher is not None:
+            await self.pusher.withdraw(ino)
+
     async def _base(self, node: Node, truncate: bool) -> Manifest | None:
         """The version a write session starts from. A truncating open needs it only to tell whether it
         replaces a checkpoint: a version it cannot read then does not keep the file from being written
@@ -543,27 +553,33 @@ class CpfsOperations(pyfuse3.Operations):
         w = self.writing.get(node.ino)
         if w is None:
             assert self.nursery is not None
-            # An empty file too starts from its version, unless truncated: without a base a session
-            # has nothing committed, so a close with no write would commit an empty version over
-            # whatever another mount saved meanwhile.
-            base = None if node.summary is None or (truncate and node.summary.size == 0) else \
-                await self._base(node, truncate)
-            # Its unchanged chunks are committed by reference, unchecked: held while the session runs.
-            hold = self._hold(base, at_once=True) if base and not truncate else None
-            if node.ino in self.writing or node.ino in self._settling:     # another open or a chmod meanwhile
-                self._let_go(hold)
-                return await self._session(node, truncate, mode, explicit)
-            replaces_checkpoint = bool(truncate and not explicit and base and base.tensor_index)
-            base = None if truncate else base
-            session = WriteSession(self.catalog.pool, self.catalog, node.path, staging_dir=self.staging,
-                                   base=base, mode=mode if mode is not None else
-                                   (node.summary.mode if node.summary else 0o644),
-                                   nursery=self.nursery, upload_limiter=self._upload_slots,
-                                   io_limiter=self._staging_io, replaces_checkpoint=replaces_checkpoint)
-            if node.summary is not None:     # the next commit keeps owner, atime and xattrs
-                m = node.summary
-                session.attributes.update(uid=m.uid, gid=m.gid, atime_ns=m.atime_ns, xattrs=m.xattrs, link=m.link)
-            w = self.writing[node.ino] = Writing(session, users=1, hold=hold, held=base if hold else None)
+            await self._stop_pushes(node.ino)
+            try:
+                # An empty file too starts from its version, unless truncated: without a base a session
+                # has nothing committed, so a close with no write would commit an empty version over
+                # whatever another mount saved meanwhile.
+                base = None if node.summary is None or (truncate and node.summary.size == 0) else \
+                    await self._base(node, truncate)
+                # Its unchanged chunks are committed by reference, unchecked: held while the session runs.
+                hold = self._hold(base, at_once=True) if base and not truncate else None
+                if node.ino in self.writing or node.ino in self._settling:     # another open or a chmod meanwhile
+                    self._let_go(hold)
+                    return await self._session(node, truncate, mode, explicit)
+                replaces_checkpoint = bool(truncate and not explicit and base and base.tensor_index)
+                base = None if truncate else base
+                session = WriteSession(self.catalog.pool, self.catalog, node.path, staging_dir=self.staging,
+                                       base=base, mode=mode if mode is not None else
+                                       (node.summary.mode if node.summary else 0o644),
+                                       nursery=self.nursery, upload_limiter=self._upload_slots,
+                                       io_limiter=self._staging_io, replaces_checkpoint=replaces_checkpoint)
+                if node.summary is not None:     # the next commit keeps owner, atime and xattrs
+                    m = node.summary
+                    session.attributes.update(uid=m.uid, gid=m.gid, atime_ns=m.atime_ns, xattrs=m.xattrs, link=m.link)
+                w = self.writing[node.ino] = Writing(session, users=1, hold=hold, held=base if hold else None)
+            except BaseException:
+                if node.ino not in self.writing:     # none began: the pages hold what they held
+                    self.sched.written(node.ino, node.summary.version if node.summary else None)
+                raise
             return w
         w.users += 1
         if truncate:
@@ -602,6 +618,7 @@ class CpfsOperations(pyfuse3.Operations):
             finally:
                 # Before any await: a request that follows the close() must not find the session or the name.
                 del self.writing[node.ino]
+                self.sched.written(node.ino, node.summary.version if node.summary else None)
                 if (node.summary is None and not node.broken and not w.unlinked
                         and self.ns.is_current(node)):
                     self.ns.remove(node)   # never committed: it never existed for anyone else

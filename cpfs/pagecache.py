@@ -86,6 +86,7 @@ class PageFeeder:
         # declared safetensors stage fetched 1.2x what it read, or 1.6x when ~50 pages of 28,000 went).
         # Only a declaration that fits in the ready read buffers is kept (Scheduler._kept).
         self.keep: frozenset[int] = frozenset()
+        self.retired = False                 # the file's pages are another version's now: push nothing
 
     def _interior(self, i: int) -> tuple[int, int]:
         """The whole pages of chunk i (the last page of the file counts as whole)."""
@@ -156,7 +157,16 @@ class PageFeeder:
             parts.append(memoryview(chunk)[max(lo, start) - start:min(hi, self.m.offsets[j + 1]) - start])
         return b"".join(parts)
 
+    def retire(self) -> None:
+        """Push nothing from now on: the file is being written, and the kernel caches the written bytes
+        in its pages (Scheduler.writing). Pushes already queued are the Pusher's to withdraw. Refused
+        pushes leave the chunks to reads through the daemon, as a kernel without notify_store does."""
+        self.retired = True
+
     def _send(self, offset: int, data: bytes | memoryview, done: Done) -> None:
+        if self.retired:
+            done(OSError(errno.ESTALE, f"{self.m.path} is being written: version {self.m.version} is not pushed"))
+            return
         if not len(data):
             done(None)
             return
@@ -297,13 +307,14 @@ def without(spans: tuple[Span, ...], lo: int, hi: int) -> tuple[Span, ...]:
 class _Piece:
     """One page-cache push: where and what (`spans`, which a read answered meanwhile may shrink), and
     whom to tell how it went."""
-    __slots__ = ("inode", "offset", "size", "spans", "done", "error", "sent")
+    __slots__ = ("inode", "offset", "size", "spans", "done", "error", "sent", "withdrawn")
 
     def __init__(self, inode: int, offset: int, data: bytes | memoryview, done: Done) -> None:
         self.inode, self.offset, self.size, self.done = inode, offset, len(data), done
         self.spans: tuple[Span, ...] = ((offset, memoryview(data)),)
         self.error: OSError | None = None
         self.sent = 0                     # bytes the kernel was given
+        self.withdrawn = False            # Pusher.withdraw: refused, whatever a thread sent before
 
 
 def _store_pieces(notify: Callable[[int, int, bytes | memoryview], None], pieces: list[_Piece]) -> None:
@@ -350,6 +361,7 @@ class Pusher:
         self.disabled = False
         self._inbox, self._queue = trio.open_memory_channel[_Piece](math.inf)
         self._queued: dict[int, dict[_Piece, None]] = {}     # inode -> its pieces not yet done
+        self._drained: dict[int, trio.Event] = {}            # inode -> set once none is (`withdraw`)
         self._pieces = self._calls = self._failed = self._bytes = self._replied = 0
 
     def statistics(self) -> PushStats:
@@ -373,6 +385,19 @@ class Pusher:
             if p.offset < hi and lo < p.offset + p.size:
                 p.spans = without(p.spans, lo, hi)
 
+    async def withdraw(self, inode: int) -> None:
+        """No piece of the file pushed so far reaches the kernel once this returns: those still queued
+        are sent empty and refused (ESTALE), and a thread call that took one before is waited for. A
+        write of the file is about to change its pages (cpfs/fs.py: a write session begins): a push of
+        the version read before, landing after the write, would put the old bytes back over it."""
+        queued = self._queued.get(inode)
+        if not queued:
+            return
+        for p in queued:
+            p.withdrawn = True
+            p.spans = ()
+        await self._drained.setdefault(inode, trio.Event()).wait()
+
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The sender tasks, until cancelled (with the mount)."""
         async with trio.open_nursery() as n:
@@ -395,10 +420,14 @@ class Pusher:
                 del queued[p]
                 if not queued:
                     del self._queued[p.inode]
+                    if (drained := self._drained.pop(p.inode, None)) is not None:
+                        drained.set()
                 self._bytes += p.sent
-                if p.error is None:
+                if p.withdrawn:
+                    p.error = OSError(errno.ESTALE, "withdrawn: the file is being written")
+                elif p.error is None:
                     self._replied += p.size - p.sent
-                if p.error is not None:
+                if p.error is not None and not p.withdrawn:
                     self._failed += 1
                     if p.error.errno == errno.ENOSYS and not self.disabled:
                         log.warning("kernel does not support notify_store; page cache push disabled")

@@ -122,6 +122,7 @@ REFILL_IDLE = 0.25         # seconds without a read before chunks with lost page
 REFILL_QUEUE = 4096        # such chunks remembered at most
 STRAY_CHUNKS = 4           # chunks' worth of reads outside a learned plan before a reader has left it
 HEADER_CHUNK_MAX = 4 * (LEAD + TAIL)    # a chunk this small holding a zip header comes with any torch plan
+WRITING = -1               # Scheduler._pushable: the file is being written here, push no version
 
 
 class Watcher(Protocol):
@@ -303,6 +304,9 @@ class Scheduler:
         self._last_read = -math.inf
         self._refilled = self._refill_skipped = 0
         self._feeders: dict[tuple[int, int], PageFeeder] = {}
+        # inode -> the one version of the file whose pages may be pushed: the one its pages hold after
+        # a write session here (WRITING while one runs); inodes never written here: any version.
+        self._pushable: dict[int, int] = {}
         self._declared: dict[tuple[int, int], frozenset[int]] = {}
         self.watcher: Watcher | None = None             # cpfs/learned.py, if the mount learns plans
         self._readers: set[FileReader] = set()
@@ -314,10 +318,27 @@ class Scheduler:
         if self.on_chunk is None:
             return None
         key = (inode, manifest.version)
+        if self._pushable.get(inode, manifest.version) != manifest.version:
+            stale = PageFeeder(manifest, inode, self.on_chunk, self.cache, self.on_reply)
+            stale.retire()             # its reads come to the daemon
+            return stale
         if key not in self._feeders:
             self._feeders[key] = PageFeeder(manifest, inode, self.on_chunk, self.cache, self.on_reply)
             self._feeders[key].keep = self._kept(manifest, self._declared.get(key, frozenset()))
         return self._feeders[key]
+
+    def writing(self, inode: int) -> None:
+        """A write session of the file begins here: from now on no push of a version read before may
+        land on its pages, where the kernel caches the written bytes, nor any push until `written`
+        (cpfs/fs.py withdraws the pushes already queued)."""
+        self._pushable[inode] = WRITING
+        for key in [k for k in self._feeders if k[0] == inode]:
+            self._feeders.pop(key).retire()
+
+    def written(self, inode: int, version: int | None) -> None:
+        """The session ended: the file's pages hold `version` (what it committed, or the version it
+        started from; None: the file has none), the only one whose pushes may land from now on."""
+        self._pushable[inode] = WRITING if version is None else version
 
     def declare(self, inode: int, manifest: Manifest, chunks: frozenset[int] | None) -> None:
         """The chunks a loader declared it will read (cpfs/plan.py), or None to drop the declaration.

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import stat
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import trio
 
 from conftest import write_config
+from cpfs import chunk as chunkfmt
 from cpfs.cache import ChunkCache
 from cpfs.catalog import Catalog
 from cpfs.config import load_config
@@ -27,6 +29,7 @@ from cpfs.errors import NotFound, StoreError
 from cpfs.fs import CpfsOperations
 from cpfs.manifest import path_hash
 from cpfs.namespace import Namespace
+from cpfs.pagecache import Pusher
 from cpfs.placement import place
 from cpfs.pool import StorePool
 from cpfs.readahead import Scheduler
@@ -40,11 +43,13 @@ ROUNDS = 40
 
 @asynccontextmanager
 async def operations(folder: Path, faulty: list[FaultyStore] | None = None, staging: str = "staging",
-                     writer: str | None = None) -> AsyncIterator[tuple[CpfsOperations, Catalog]]:
+                     writer: str | None = None, pusher: Pusher | None = None
+                     ) -> AsyncIterator[tuple[CpfsOperations, Catalog]]:
     """The daemon's stack (cpfs/daemon.py: serve) over folder stores, without pyfuse3.main; with
     `faulty` (an empty list to fill), each store wrapped in a FaultyStore the test can turn down. Two
     at once over one folder are two mounts of the same stores: each needs its own `staging` (and
-    `writer` id, as two processes would have)."""
+    `writer` id, as two processes would have). With `pusher`, reads push to the page cache through it
+    (its `notify` a model of the kernel's)."""
     config = load_config(write_config(folder, chunk_size="1MiB"))
     if faulty is not None:
         faulty.extend(FaultyStore(open_store(s)) for s in config.stores)
@@ -52,13 +57,15 @@ async def operations(folder: Path, faulty: list[FaultyStore] | None = None, stag
     await pool.check()
     catalog = Catalog(pool, **({"writer": writer} if writer else {}))
     sched = Scheduler(ChunkCache(config.cache_memory), pool.fetch_chunk, config, fetch_many=pool.fetch_chunks,
-                      fetch_blocks=pool.fetch_blocks)
+                      fetch_blocks=pool.fetch_blocks, on_chunk=pusher, on_reply=pusher.replied if pusher else None)
     (folder / staging).mkdir()
-    ops = CpfsOperations(Namespace(await catalog.load_all()), sched, catalog, config, folder / staging)
+    ops = CpfsOperations(Namespace(await catalog.load_all()), sched, catalog, config, folder / staging, pusher)
     async with trio.open_nursery() as n:
         ops.nursery = n
         await n.start(pool.run)         # store health: probes stores marked down until they answer
         await n.start(sched.run)
+        if pusher is not None:
+            await n.start(pusher.run)
         yield ops, catalog
         n.cancel_scope.cancel()
 
@@ -595,3 +602,92 @@ async def test_an_open_with_o_trunc_writes_over_a_version_that_cannot_be_read(tm
         fh = await save(ops, ino, b"new bytes")
         await ops.release(fh)
         assert (await catalog.current("/ckpt.pt")).size == len(b"new bytes")
+
+
+class PageCacheModel:
+    """The kernel's page cache of one mount, as far as a test needs it: the bytes of each file's pages
+    that pushes (the Pusher's notify, from its worker threads) and writes put there. `gate` holds every
+    notify until set, as a push waiting for page locks would."""
+
+    def __init__(self) -> None:
+        self.pages: dict[int, bytearray] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.in_notify = threading.Event()
+        self.lock = threading.Lock()
+
+    def notify(self, inode: int, offset: int, data) -> None:
+        self.in_notify.set()
+        assert self.gate.wait(30)
+        self.put(inode, offset, bytes(data))
+
+    def put(self, inode: int, offset: int, data: bytes) -> None:
+        with self.lock:
+            page = self.pages.setdefault(inode, bytearray())
+            if len(page) < offset + len(data):
+                page.extend(bytes(offset + len(data) - len(page)))
+            page[offset:offset + len(data)] = data
+
+    def truncate(self, inode: int) -> None:
+        with self.lock:
+            self.pages[inode] = bytearray()
+
+
+async def test_a_write_session_lets_no_push_of_the_version_read_before_land(tmp_path: Path) -> None:
+    """A reader's pushes of the old version are queued, one is being sent (its thread held), and more of
+    its prefetches are in flight (their store reads held) when the file is opened with O_TRUNC and
+    written in this mount. The open returns once the push being sent is done, the queued ones are
+    withdrawn, and the prefetches that land later push nothing: no page of the kernel's cache (a model
+    of it) ends up with the old bytes over the written ones. An audit found the old version's late
+    pushes there, read back by the writer and by every later open. Nothing is lost: the reader's own
+    reads are answered by the daemon (the new version, as for any open of a file written here)."""
+    ctx = pyfuse3.RequestContext()
+    old, new = os.urandom(8 * MiB), os.urandom(8 * MiB)
+    async with operations(tmp_path, staging="staging-a") as (ops, catalog):
+        await new_file(ops, pyfuse3.ROOT_INODE, b"f", old)
+        m = await catalog.get("/f")
+    later = {chunkfmt.chunk_key(c.digest) for c in m.chunks[4:]}
+    land = trio.Event()
+    faulty: list[FaultyStore] = []
+    model = PageCacheModel()
+    async with operations(tmp_path, faulty, staging="staging-b", pusher=Pusher(threads=1, notify=model.notify)
+                          ) as (ops, catalog):
+        for f in faulty:
+            f.hold("get", lambda key: key in later, land, refuse=False)
+        ino = (await ops.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+        rh = (await ops.open(ino, os.O_RDONLY, ctx)).fh
+        model.gate.clear()
+        for off in range(0, 4 * MiB, 128 * 1024):          # a stream: the next chunks prefetched and pushed
+            assert await ops.read(rh, off, 128 * 1024) == old[off:off + 128 * 1024]
+        # Whatever the stream pushed by now (its marks are held back), one push is sure to be sent:
+        ops.sched.feeder(ino, m).offer(7, old[7 * MiB:])
+        with trio.fail_after(10):
+            while not model.in_notify.is_set():
+                await trio.sleep(0.01)
+        opened: list[int] = []
+
+        async def open_for_writing() -> None:
+            opened.append((await ops.open(ino, os.O_WRONLY | os.O_TRUNC, ctx)).fh)
+        async with trio.open_nursery() as n:
+            n.start_soon(open_for_writing)
+            await trio.sleep(0.2)
+            early = bool(opened)             # the open returned while a push of the old version was being sent
+            model.gate.set()
+        model.truncate(ino)                                # the kernel's O_TRUNC, once the open returned
+        wh = opened[0]
+        for off in range(0, len(new), MiB):
+            assert await ops.write(wh, off, new[off:off + MiB]) == MiB
+            model.put(ino, off, new[off:off + MiB])        # the kernel caches written bytes too
+        land.set()                                         # the reader's prefetches land now
+        await trio.sleep(0.3)
+        await ops.flush(wh)
+        await ops.release(wh)
+        await trio.sleep(0.3)
+        assert await ops.read(rh, 6 * MiB, MiB) == new[6 * MiB:7 * MiB]
+        await ops.release(rh)
+        await trio.sleep(0.3)
+        assert (await catalog.current("/f")).size == len(new)
+        stale = [k for k in range(0, len(new), 4096) if model.pages[ino][k:k + 4096] != new[k:k + 4096]]
+        assert not stale, f"pages holding other bytes than written: {len(stale)}, first at {stale[0]}"
+        assert not early
+        assert sum(r.hits for f in faulty for r in f.rules) > 0      # prefetches did land late
