@@ -144,6 +144,9 @@ class Handle:
     direct: bool = False                 # opened O_DIRECT: the kernel caches no read of it
     hold: Hashable | None = None         # the hold on the reader's version (cpfs/holds.py)
     opener: int = 0                      # the thread that opened a writable handle (cpfs/openers.py)
+    # Taken to open a reader for the version the node shows: two reads at once (the kernel's readahead)
+    # would each open one, and the reader of the first, replaced, was never closed (its task and pins).
+    reopening: trio.Lock = field(default_factory=trio.Lock)
 
 
 @dataclass
@@ -724,19 +727,26 @@ class CpfsOperations(pyfuse3.Operations):
             finally:
                 await self._leave(h.node, w)
         if h.reader is None or h.reader.m is not h.node.manifest:
-            # Opened while the file was being written here, or committed here since: the version
-            # this mount now shows (another mount's versions come with a new inode, never here).
-            if h.reader is not None:
-                await h.reader.aclose()
-            if h.node.summary is None:
-                return b""
-            m = await self._manifest(h.node)
-            assert self.nursery is not None
-            hold = self._hold(m)
-            self._let_go(h.hold)
-            h.hold = hold
-            h.reader = await self.sched.open(self.nursery, m, h.node.index, h.node.ino, h.direct)
+            async with h.reopening:
+                if h.node.summary is None:
+                    return b""
+                if h.reader is None or h.reader.m is not h.node.manifest:
+                    await self._reopen(h)
+        assert h.reader is not None
         return await h.reader.read(off, size)
+
+    async def _reopen(self, h: Handle) -> None:
+        """A reader of the version the node shows, for a handle opened while the file was being written
+        here, or whose file was committed here since (another mount's versions come with a new inode)."""
+        if h.reader is not None:
+            await h.reader.aclose()
+            h.reader = None
+        m = await self._manifest(h.node)
+        assert self.nursery is not None
+        hold = self._hold(m)
+        self._let_go(h.hold)
+        h.hold = hold
+        h.reader = await self.sched.open(self.nursery, m, h.node.index, h.node.ino, h.direct)
 
     # -- writing ----------------------------------------------------------------------------------
     @boundary

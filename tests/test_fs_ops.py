@@ -691,3 +691,30 @@ async def test_a_write_session_lets_no_push_of_the_version_read_before_land(tmp_
         assert not stale, f"pages holding other bytes than written: {len(stale)}, first at {stale[0]}"
         assert not early
         assert sum(r.hits for f in faulty for r in f.rules) > 0      # prefetches did land late
+
+
+async def test_two_first_reads_at_once_open_one_reader(tmp_path: Path) -> None:
+    """A handle opened while the file was being written here reads the version committed since: two
+    reads at once (the kernel's readahead) open one reader for it, and the release closes it. Each
+    opened one, and the reader of the first, replaced, stayed open with its pins (an audit's find)."""
+    ctx = pyfuse3.RequestContext()
+    data = os.urandom(4 * MiB)
+    async with operations(tmp_path) as (ops, _):
+        fi, attrs = await ops.create(pyfuse3.ROOT_INODE, b"f", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
+        rh = (await ops.open(attrs.st_ino, os.O_RDONLY, ctx)).fh         # while being written
+        assert await ops.write(fi.fh, 0, data) == len(data)
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+        got: dict[int, bytes] = {}
+
+        async def read(off: int) -> None:
+            got[off] = bytes(await ops.read(rh, off, 128 * 1024))
+        async with trio.open_nursery() as n:
+            for off in (0, 128 * 1024, 256 * 1024):
+                n.start_soon(read, off)
+        assert all(got[off] == data[off:off + 128 * 1024] for off in got)
+        assert ops.sched.statistics().open_files == 1
+        await ops.release(rh)
+        await trio.sleep(0.1)
+        assert ops.sched.statistics().open_files == 0
+        assert ops.sched.cache.statistics().pinned == 0
