@@ -16,6 +16,13 @@ from dataclasses import dataclass
 
 import trio
 
+from .errors import CorruptChunk
+
+
+def _check_size(key: str, data: bytes | memoryview, size: int) -> None:
+    if len(data) != size:
+        raise CorruptChunk(f"chunk {key[:16]}: {len(data)} bytes, and a manifest says {size}: that manifest is wrong")
+
 
 @dataclass(frozen=True, kw_only=True)
 class CacheStats:
@@ -65,16 +72,18 @@ class ChunkCache:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def peek(self, key: str) -> bytes | None:
-        """The cached bytes without waiting or counting; None if absent."""
+    def peek(self, key: str, size: int) -> bytes | None:
+        """The cached bytes without waiting or counting; None if absent, or of another `size` than the
+        caller's manifest gives the chunk (see `get`)."""
         e = self._entries.get(key)
-        return e.data if e else None
+        return e.data if e and len(e.data) == size else None
 
-    def claim(self, key: str) -> bytes | None:
-        """The cached bytes, pinned (as `get(..., pin=True)` would, counted as a hit); None if absent.
-        A readahead claims what it will hand the reader soon, so its later prefetches cannot evict it."""
+    def claim(self, key: str, size: int) -> bytes | None:
+        """The cached bytes, pinned (as `get(..., pin=True)` would, counted as a hit); None if absent
+        or of another size (see `peek`). A readahead claims what it will hand the reader soon, so its
+        later prefetches cannot evict it."""
         e = self._entries.get(key)
-        if e is None:
+        if e is None or len(e.data) != size:
             return None
         self._hits += 1
         self._entries.move_to_end(key)
@@ -100,7 +109,10 @@ class ChunkCache:
     async def get(self, key: str, size: int, loader: Callable[[], Awaitable[bytes]], *,
                   pin: bool = False, reserved: bool = False) -> bytes:
         """The chunk's bytes, loading it at most once however many tasks ask at the same time.
-        With pin=True the entry stays until `unpin(key)`; reserved=True hands over a `reserve(size)`."""
+        With pin=True the entry stays until `unpin(key)`; reserved=True hands over a `reserve(size)`.
+        Bytes of another length than `size` (a manifest that gives a chunk the wrong length, where another
+        gave it the right one that loaded it) raise CorruptChunk: sliced by the wrong length, they were
+        wrong bytes; loaded alone, the pool refuses them."""
         if reserved:
             self._reserved -= size
         while True:
@@ -108,6 +120,7 @@ class ChunkCache:
             if entry is not None:
                 self._hits += 1
                 self._entries.move_to_end(key)
+                _check_size(key, entry.data, size)
                 if pin:
                     self._pin(entry)
                 return entry.data
@@ -128,6 +141,10 @@ class ChunkCache:
                     self._drop_flight_pin(key, flight)
                 raise flight.error
             if flight.data is not None:
+                if len(flight.data) != size:
+                    if pin:
+                        self._drop_flight_pin(key, flight)
+                    _check_size(key, flight.data, size)
                 return flight.data
             # The fetching task was cancelled: whoever is still waiting tries again.
             if pin:

@@ -150,7 +150,7 @@ class PageFeeder:
         lo, hi = page * PAGE, min((page + 1) * PAGE, self.m.size)
         parts = []
         for j in self.m.chunk_range(lo, hi - lo):
-            chunk = data if j == i else self.cache.peek(self.m.chunks[j].digest)
+            chunk = data if j == i else self.cache.peek(self.m.chunks[j].digest, self.m.chunks[j].raw_len)
             if chunk is None:
                 return None
             start = self.m.offsets[j]

@@ -98,7 +98,7 @@ from .cache import ChunkCache
 from .chunk import BLOCK
 from .chunking import LEAD, TAIL
 from .config import Config
-from .errors import CpfsError
+from .errors import ChunkUnavailable, CpfsError
 from .manifest import ChunkEntry, Manifest
 from .pagecache import PageFeeder, Push, Replied
 from .sync import fan_out
@@ -435,8 +435,11 @@ class Scheduler:
     async def get_chunk(self, manifest: Manifest, i: int, *, pin: bool = False, demand: bool = True,
                         reserved: bool = False, owner: "FileReader | None" = None) -> bytes:
         entry = manifest.chunks[i]
+        loaded = False
 
         async def load() -> bytes:        # only on a miss: hits cost a dict lookup, no formatting
+            nonlocal loaded
+            loaded = True
             if demand:
                 self._demand += 1
                 if owner is not None:
@@ -453,7 +456,15 @@ class Scheduler:
                 owner.fetched += entry.raw_len
             return data
 
-        return await self.cache.get(entry.digest, entry.raw_len, load, pin=pin, reserved=reserved)
+        try:
+            return await self.cache.get(entry.digest, entry.raw_len, load, pin=pin, reserved=reserved)
+        except CpfsError as e:
+            if loaded:
+                raise
+            # Joined another file's fetch of the chunk (or met bytes of another length): its error names
+            # that file; the reader's EIO and its log line name this one.
+            raise ChunkUnavailable(f"file {manifest.path} offset {manifest.offsets[i]} chunk {i} "
+                                   f"({entry.digest[:16]}): {e}") from e
 
     async def get_blocks(self, manifest: Manifest, i: int, start: int, end: int,
                          owner: "FileReader | None" = None, lost: bool = True) -> tuple[int, bytes] | None:
@@ -882,7 +893,7 @@ class FileReader:
         """A held chunk the reader went past without reading: to the kernel after all (it is here)."""
         self.held.discard(i)
         if i in self.pinned:
-            data = self.sched.cache.peek(self.m.chunks[i].digest)
+            data = self.sched.cache.peek(self.m.chunks[i].digest, self.m.chunks[i].raw_len)
             if data is not None and self.feeder is not None:
                 self._push(i, data)
             else:
@@ -906,7 +917,7 @@ class FileReader:
         if i in self.pinned or i in self.inflight or self._in_kernel(i):
             return True
         size = self.m.chunks[i].raw_len
-        data = self.sched.cache.claim(self.m.chunks[i].digest) if self.sched.cache.room(size) else None
+        data = self.sched.cache.claim(self.m.chunks[i].digest, size) if self.sched.cache.room(size) else None
         if data is None:
             return False
         self.pinned.add(i)

@@ -119,7 +119,7 @@ async def test_a_gated_chunk_goes_but_for_its_first_page_which_waits_for_the_nex
         for o, _, done in queued:
             if not lo <= o < hi:
                 done(None)                             # the straddling pages
-        assert feeder.holds(big) and cache.peek(m.chunks[big].digest) is None
+        assert feeder.holds(big) and cache.peek(m.chunks[big].digest, m.chunks[big].raw_len) is None
         queued.clear()
         feeder.offer(big, piece, again=True)
         assert [(o, d) for o, d, _ in queued if lo <= o < hi] == [(lo, data[lo:hi])]
@@ -153,7 +153,7 @@ async def test_a_gated_chunks_failed_part_leaves_it_with_the_daemon():
     feeder.offer(big, piece, gate=True)
     sent: list[int] = []
     feeder.offer(big, piece, lambda: sent.append(big))
-    assert sent == [big] and big not in feeder.done and cache.peek(m.chunks[big].digest) is not None
+    assert sent == [big] and big not in feeder.done and cache.peek(m.chunks[big].digest, m.chunks[big].raw_len) is not None
 
 
 async def test_a_refused_push_leaves_the_chunk_with_the_daemon_for_the_reader(autojump_clock):
@@ -177,7 +177,7 @@ async def test_a_refused_push_leaves_the_chunk_with_the_daemon_for_the_reader(au
     feeder.offer(big, piece, lambda: sent.append(big))
     assert asked and sent == [big]
     assert big not in feeder.done and not feeder.holds(big) and feeder.pushes == 0
-    assert cache.peek(m.chunks[big].digest) is not None
+    assert cache.peek(m.chunks[big].digest, m.chunks[big].raw_len) is not None
     await trio.sleep(RACE)
     lo, hi = feeder._interior(big)
     assert not feeder.lost(lo, hi), "a read of refused pages is an ordinary read"

@@ -1134,3 +1134,70 @@ async def test_a_slice_reader_of_tensors_smaller_than_a_chunk_is_seen_to_read_sl
     assert whole <= 3 * chunk                     # the head, the zip directory, the first landing's chunk
     assert blocks <= len(blocks_read) * BLOCK + 4 * BLOCK
     assert whole + blocks < len(data) * 0.45
+
+
+class LostStore(FakeStore):
+    """A FakeStore with no copy of the chunks in `lost`: their fetch fails after the latency, naming
+    whoever asked (as the pool does)."""
+
+    def __init__(self, lost: set[str], latency: float = 0.008) -> None:
+        super().__init__(latency)
+        self.lost = lost
+
+    async def fetch(self, entry: ChunkEntry, where: str) -> bytes:
+        if entry.digest in self.lost:
+            await trio.sleep(self.latency)
+            raise ChunkUnavailable(f"{where}: no replica")
+        return await super().fetch(entry, where)
+
+
+def _file(path: str, chunks: list[ChunkEntry]) -> Manifest:
+    return Manifest(path, sum(c.raw_len for c in chunks), 0, 0o644, CHUNK, tuple(chunks), 1, None)
+
+
+async def test_a_read_that_joins_another_files_failing_fetch_fails_naming_its_own_file(autojump_clock):
+    """Two files share a chunk that no store can give; the second read joins the first's fetch. Its
+    error (the EIO's log line) names its own file and offset, not the other's (an audit's find)."""
+    m, _ = make_file(FakeStore(), 2)
+    x = m.chunks[1]
+    store = LostStore({x.digest}, latency=0.05)
+    a, b = _file("/a", [x]), _file("/b", [m.chunks[0], x])
+    store.blobs[m.chunks[0].digest] = b"\0" * CHUNK
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config())
+    errors: dict[str, str] = {}
+    async with trio.open_nursery() as n:
+        ra, rb = await sched.open(n, a, None), await sched.open(n, b, None)
+
+        async def read(name: str, reader, off: int) -> None:
+            with pytest.raises(ChunkUnavailable) as e:
+                await reader.read(off, CHUNK)
+            errors[name] = str(e.value)
+        async with trio.open_nursery() as m2:
+            m2.start_soon(read, "/a", ra, 0)
+            await trio.sleep(0.01)
+            m2.start_soon(read, "/b", rb, CHUNK)
+        await ra.aclose()
+        await rb.aclose()
+    assert sched.cache.statistics().joined == 1
+    assert errors["/a"].startswith("file /a offset 0 chunk 0")
+    assert errors["/b"].startswith(f"file /b offset {CHUNK} chunk 1"), errors["/b"]
+
+
+async def test_a_chunk_cached_for_one_file_is_refused_to_a_manifest_that_gives_it_another_length(autojump_clock):
+    """/a names chunk X rightly; /b names X with a page more than it has. Once /a's read cached X, a read
+    of /b gets EIO naming /b, never X's bytes sliced at the wrong length (an audit found /b's read
+    answered short, the next chunk's bytes a page early)."""
+    store = FakeStore()
+    m, data = make_file(store, 2)
+    x, y = m.chunks
+    wrong = ChunkEntry(x.digest, x.raw_len + PAGE, x.stored_len, "raw", ("s",))
+    a, b = _file("/a", [x]), _file("/b", [wrong, y])
+    sched = Scheduler(ChunkCache(64 * CHUNK), store.fetch, config())
+    async with trio.open_nursery() as n:
+        ra = await sched.open(n, a, None)
+        assert await ra.read(0, CHUNK) == data[:CHUNK]
+        rb = await sched.open(n, b, None)
+        with pytest.raises(ChunkUnavailable, match="file /b offset 0 chunk 0.*a manifest says"):
+            await rb.read(0, b.size)
+        await ra.aclose()
+        await rb.aclose()
