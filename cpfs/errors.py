@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import errno
 
+# What decoding a stored JSON object that we do not control raises when it is not what we wrote: bad JSON
+# and fields (ValueError, TypeError, KeyError, AttributeError), a number beyond a float (OverflowError),
+# nesting beyond the interpreter's stack (RecursionError). Callers turn it into their own error.
+MALFORMED = (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError)
+
 
 class CpfsError(Exception):
     """Base of every error cpfs raises on purpose."""

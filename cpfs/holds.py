@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 import trio
 
-from .errors import ManifestError, NoSuchObject, StoreError
+from .errors import MALFORMED, ManifestError, NoSuchObject, StoreError
 from .manifest import Manifest
 from .pool import TICKS_WATCH, StorePool
 from .sync import fan_out
@@ -100,7 +100,7 @@ class Hold:
             ok = (doc.get("format") == FORMAT and isinstance(lease, (int, float)) and math.isfinite(lease)
                   and lease > 0 and isinstance(version, str) and isinstance(chunks, list)
                   and all(isinstance(c, str) and len(c) == 64 for c in chunks))
-        except (ValueError, TypeError, KeyError):
+        except MALFORMED:
             ok = False
         if not ok:
             raise ManifestError(f"hold {key}: not a hold of format {FORMAT}")

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from .config import Config, staging_dir, store_set_id
-from .errors import CpfsError, NoSuchObject
+from .errors import MALFORMED, CpfsError, NoSuchObject
 from .manifest import Manifest
 from .placement import place
 from .plan import KEPT, Plan, PlanStats
@@ -173,7 +173,7 @@ class StoreShared:
             if len(data) > SHARED_MAX:
                 raise ValueError(f"{len(data)} bytes, more than {SHARED_MAX}")
             return [r for r in decode(data) if r.schema == schema and r.unit == unit]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except MALFORMED as e:
             raise SharedError(f"{key}: not recordings ({e})") from None
 
     async def put(self, schema: str, unit: str, recs: list[Recording]) -> None:
@@ -545,7 +545,7 @@ def encode(recs: list[Recording]) -> bytes:
 
 
 def decode(data: bytes) -> list[Recording]:
-    """`encode`'s recordings; ValueError (or KeyError, TypeError, AttributeError) if it is not that."""
+    """`encode`'s recordings; one of errors.MALFORMED if it is not that."""
     doc = json.loads(data)
     if doc.get("format") != FORMAT:
         raise ValueError(f"format {doc.get('format')!r}, not {FORMAT}")
@@ -560,7 +560,7 @@ def load(path: Path) -> list[Recording]:
         return decode(path.read_bytes())
     except FileNotFoundError:
         return []
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, *MALFORMED) as e:
         log.warning("%s: cannot read the learned prefetch plans (%s): starting with none", path, e)
         return []
 

@@ -30,7 +30,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from .errors import ManifestError, NoSuchObject, StoreError
+from .errors import MALFORMED, ManifestError, NoSuchObject, StoreError
 from .pool import StorePool
 from .sync import fan_out
 
@@ -71,7 +71,7 @@ class Enrollment:
                   and all(isinstance(s, str) and s for s in stores)
                   and isinstance(grace, (int, float)) and math.isfinite(grace) and grace > 0
                   and (keep is None or isinstance(keep, (int, float)) and math.isfinite(keep) and keep >= 0))
-        except (ValueError, TypeError, KeyError):
+        except MALFORMED:
             ok = False
         if not ok:
             raise ManifestError(f"roster object {key}: not a store enrollment of format {FORMAT}")

@@ -858,6 +858,27 @@ async def test_a_roster_object_that_is_not_an_enrollment_makes_gc_refuse(tmp_pat
     assert "not a store enrollment" in report.refused and report.stores == ()
 
 
+GARBAGE = {"huge-number": b'{"format":1,"lease":' + b"9" * 400 + b',"gc_grace":' + b"9" * 400
+                          + b',"stores":["s0"],"version":"x@1","chunks":[]}',
+           "deep-nesting": b"[" * 100_000 + b"]" * 100_000}
+
+
+@pytest.mark.parametrize("what", sorted(GARBAGE))
+@pytest.mark.parametrize("folder", ["holds", "roster"])
+async def test_a_hold_or_roster_object_of_garbage_makes_gc_refuse_not_crash(tmp_path: Path, folder: str,
+                                                                            what: str) -> None:
+    """JSON that parses into a number beyond a float (OverflowError) or nests beyond Python's stack
+    (RecursionError) is bad stored metadata like any other: gc refuses, naming it. It raised out of gc
+    (`cpfs gc` printed a traceback, on every run; an audit's find)."""
+    cfg = _config(tmp_path)
+    await Writer(tmp_path, cfg, "a1").put("/a.pt", os.urandom(SIZE))
+    where = _stores_root(tmp_path) / "s0" / folder
+    where.mkdir(exist_ok=True)
+    (where / ("ffff.1.json" if folder == "holds" else "0" * 32 + ".json")).write_bytes(GARBAGE[what])
+    report = await _gc(cfg)
+    assert ("not a hold" if folder == "holds" else "not a store enrollment") in report.refused
+
+
 def test_writers_enroll_and_cpfs_gc_with_an_old_config_refuses(tmp_path: Path, mount) -> None:
     """Through the tools: a mount and `cpfs put` enroll their config; `cpfs gc` with a config that
     lacks a store they use exits 1, says why, and deletes nothing (also with --dry-run)."""

@@ -263,10 +263,11 @@ async def test_the_stores_keep_shared_recordings_and_a_bad_object_is_an_error_no
         key = StoreShared.key("s", "layers.2.w")
         holders = [n for n in pool.names if await pool.exists(n, key)]
         assert len(holders) == 2 and key.startswith("learned/s/")
-        for n in holders:
-            await pool.put(n, key, b"{not json")
-        with pytest.raises(SharedError, match="not recordings"):
-            await shared.get("s", "layers.2.w")
+        for bad in (b"{not json", b"[" * 100_000 + b"]" * 100_000):      # RecursionError: a SharedError too
+            for n in holders:
+                await pool.put(n, key, bad)
+            with pytest.raises(SharedError, match="not recordings"):
+                await shared.get("s", "layers.2.w")
         for n in holders:
             await pool.put(n, key, encode([Recording(**{**recs[0].__dict__, "unit": "x"})]))
         assert await shared.get("s", "layers.2.w") == []
@@ -486,6 +487,7 @@ def test_the_kept_file_round_trips_and_a_bad_one_is_skipped_and_old_temporaries_
     assert not old.exists() and young.exists()
     assert load(tmp_path / "missing.json") == []
     for bad in (b"{", b'{"format": 99, "recordings": []}', b'{"format": 1, "recordings": [{"schema": 1}]}',
+                b"[" * 100_000 + b"]" * 100_000,
                 json.dumps({"format": 1, "recordings": [{**recs[0].__dict__, "spans": [["3", 9, 2]]}]}).encode()):
         path.write_bytes(bad)
         with caplog.at_level(logging.WARNING, logger="cpfs.learned"):
