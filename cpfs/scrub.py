@@ -302,7 +302,11 @@ class Scrubber:
                 path = exact[h]
             else:
                 path = await self._path_of(versions)
-                if path is None or not any(path.startswith(p + "/") for p in scope):
+                if path is None:
+                    # No summary to tell where it lives: it may be in scope, so it is scrubbed (and its
+                    # unreadable copies reported), never left out of a scrub that then says ok.
+                    path = ""
+                elif not any(path.startswith(p + "/") for p in scope):
                     return
             for v in versions:
                 v.path = path
@@ -319,7 +323,7 @@ class Scrubber:
                     return Summary.from_bytes(data, f"store {name!r} {v.ref.key}").path
                 except (StoreError, ManifestError) as e:
                     log.warning("scrub: summary of %s on store %r unreadable: %s", v.ref.key, name, e)
-        log.warning("scrub: skipping %s: no readable summary, so its path is unknown", versions[0].ref.key)
+        log.warning("scrub: %s: no readable summary, so its path is unknown", versions[0].ref.key)
         return None
 
     async def _parse(self, data: bytes, name: str, ref: VersionRef) -> Manifest:
@@ -415,22 +419,27 @@ class Scrubber:
     async def _repair_version(self, v: _Version, good: bytes, state: dict[str, str], placement: list[str]) -> None:
         # A version deleted since it was read (retired, or a commit that failed below quorum taking
         # its copies back) must not come back: look again right before copying it.
-        if not await self._exists(v.ref.key, [n for n, s in state.items() if s == "good"]):
-            log.warning("scrub: %s vanished before its repair: left alone", v.ref.key)
+        there = await self._exists(v.ref.key, [n for n, s in state.items() if s == "good"])
+        if not there:
+            log.warning("scrub: %s %s before its repair: left alone", v.ref.key,
+                        "vanished" if there is False else "could not be looked for")
             return
         for name, s in state.items():
             if s == "corrupt" or (s == "missing" and name in placement):
                 if await self._put(name, v.ref.key, good, "manifest", v.where):
                     state[name] = "good"
 
-    async def _exists(self, key: str, names: Sequence[str]) -> bool:
+    async def _exists(self, key: str, names: Sequence[str]) -> bool | None:
+        """Whether a store holds `key`; None if none said yes and one could not tell."""
+        unknown = False
         for name in names:
             try:
                 if await self._pool.exists(name, key):
                     return True
             except StoreError as e:
                 log.warning("scrub: cannot tell whether %s is on store %r: %s", key, name, e)
-        return False
+                unknown = True
+        return None if unknown else False
 
     # -- chunks ------------------------------------------------------------------------------------
     async def _check_chunk(self, digest: str, chunk: _Chunk, repair: bool) -> None:
@@ -500,7 +509,7 @@ class Scrubber:
                 continue
             wrong = chunkfmt.differing_blocks(recorded, checks)
             for v in versions:
-                if await self._exists(v.ref.key, v.holders):       # else retired meanwhile
+                if await self._exists(v.ref.key, v.holders) is not False:   # else retired meanwhile
                     self._t.add("block_checks_wrong")
                     self._problem("manifest", "wrong block checks", v.ref.key, "", v.where,
                                   f"chunk {digest[:16]}: block(s) {', '.join(map(str, wrong[:8]))}"
@@ -526,9 +535,11 @@ class Scrubber:
 
     async def _referenced(self, chunk: _Chunk) -> bool:
         """Whether a version that names the chunk still exists (a gc may delete the chunks of versions
-        retired while the scrub ran)."""
+        retired while the scrub ran). One that no store could answer for counts: the chunk's problems
+        are reported, not taken for a gc's doing (stores that stop answering mid-scrub once made every
+        chunk "vanished" and the scrub ok)."""
         for v in chunk.versions:
-            if await self._exists(v.ref.key, v.holders):
+            if await self._exists(v.ref.key, v.holders) is not False:
                 return True
         return False
 

@@ -163,6 +163,38 @@ async def test_a_store_that_is_down_is_reported_not_waited_for(tmp_path: Path) -
     assert s.unrepaired > 0 and any(p.kind == "repair failed" and p.store == "s2" for p in report.problems)
 
 
+async def test_stores_that_stop_answering_after_the_manifests_leave_the_scrub_not_ok(tmp_path: Path) -> None:
+    """The stores answer the listing and the manifests, then no chunk read and no "is that version still
+    there?": nothing was verified. Each copy is unreachable and the scrub is not ok. Once, the failed
+    look was taken for "no" (a gc retired every version meanwhile): every chunk "vanished", scrub ok,
+    exit 0 (an audit's find)."""
+    pool = make_pool(tmp_path, wrap=lambda s: _down_after_manifests(FaultyStore(s)))
+    await commit_bytes(Catalog(pool), "/ckpt.pt", os.urandom(100_000))
+    report = await Scrubber(pool, Catalog(pool)).run()
+    s = report.stats
+    assert not report.ok and s.chunks == 1 and s.unreachable == 2 and s.vanished == 0
+
+
+def _down_after_manifests(store: FaultyStore) -> FaultyStore:
+    store.refuse("get", "chunks/*", StoreError)
+    store.refuse("exists", "manifests/*", StoreError)
+    return store
+
+
+async def test_a_scrub_of_a_folder_reports_a_file_below_it_whose_every_summary_is_unreadable(tmp_path: Path) -> None:
+    """`cpfs scrub /run` when every manifest copy of /run/b.pt is damaged (so its path cannot be read):
+    the file is scrubbed and reported lost, as a whole-tree scrub does. It was left out, and the
+    scrub of /run said ok (an audit's find)."""
+    pool = make_pool(tmp_path)
+    for path in ("/run/a.pt", "/run/b.pt"):
+        await commit_bytes(Catalog(pool), path, os.urandom(1000))
+    for p in tmp_path.glob(f"s*/manifests/{path_hash('/run/b.pt')}/*"):
+        p.write_bytes(b"\x00 bit rot\n")
+    for scope in ((), ["/run"]):
+        report = await Scrubber(pool, Catalog(pool)).run(scope)
+        assert not report.ok and report.stats.manifests_lost == 1, scope
+
+
 # ---- corrupt and missing copies ---------------------------------------------------------------------
 
 def test_corrupt_and_deleted_copies_are_reported_and_repaired(tmp_path: Path) -> None:
