@@ -827,11 +827,13 @@ class StorePool:
         while len(self._suspects) > SUSPECTS_MAX:
             self._suspects.popitem(last=False)
 
-    async def fetch_chunk(self, entry: ChunkEntry, where: str) -> bytes:
+    async def fetch_chunk(self, entry: ChunkEntry, where: str, damaged_on: Sequence[str] = ()) -> bytes:
         """Verified raw bytes of a chunk from the best replica that has them, exactly entry.raw_len
         long. `where` ("file F offset O chunk N") goes into every log line about it.
         The stores the manifest lists are tried first, then the chunk's current placement: where
-        `cpfs scrub --repair` puts the copies a replaced, removed or too short store list lacks."""
+        `cpfs scrub --repair` puts the copies a replaced, removed or too short store list lacks.
+        `damaged_on`: listed stores a batch read found without a good copy (`fetch_chunks`): not asked
+        again, and repaired like those this read finds."""
         key = chunkfmt.chunk_key(entry.digest)
         placed: list[str] = []
 
@@ -840,7 +842,7 @@ class StorePool:
                           if n not in entry.stores)
             return placed
         failures: list[str] = []
-        damaged: list[str] = []             # replicas that are corrupt or missing: to repair
+        damaged: list[str] = list(damaged_on)    # replicas that are corrupt or missing: to repair
         blobs: dict[str, bytes | memoryview] = {}
         decode = _decoder(entry.digest)
 
@@ -867,7 +869,8 @@ class StorePool:
             failures.append(f"{name}: {e}")
 
         try:
-            raw = await self._read_replicas(entry.stores, read, failed, then=placement)
+            raw = await self._read_replicas([n for n in entry.stores if n not in damaged_on], read, failed,
+                                            then=placement)
         except (StoreError, CorruptChunk):
             pass
         else:
@@ -944,6 +947,7 @@ class StorePool:
         replica, a store that fails) and a chunk alone in its batch go through `fetch_chunk`: replicas,
         hedges and read repair as for any read."""
         results: list[bytes | memoryview | Exception | None] = [None] * len(entries)
+        damaged: dict[int, list[str]] = {}      # k -> stores the batch found without a good copy of it
         left = [k for k, e in enumerate(entries) if e.stores]
         batches: list[tuple[str, list[int]]] = []
         while len(left) > 1:
@@ -972,10 +976,13 @@ class StorePool:
                 entry = entries[k]
                 if isinstance(answer, StoreError):
                     log.warning("%s: replica failed %s on store %r: %s", wheres[k], entry.digest[:16], name, answer)
+                    if isinstance(answer, NoSuchObject):
+                        damaged.setdefault(k, []).append(name)
                     continue
                 raw = answer[0]
                 if isinstance(raw, CorruptChunk):
                     self._suspect(name, entry.digest)
+                    damaged.setdefault(k, []).append(name)
                     log.warning("%s: corrupt replica %s on store %r: %s", wheres[k], entry.digest[:16], name, raw)
                 elif len(raw) == entry.raw_len:
                     results[k] = raw
@@ -984,7 +991,8 @@ class StorePool:
             for name, ks in batches:
                 n.start_soon(batch, name, ks)
         rest = [k for k, r in enumerate(results) if r is None]
-        alone = await fan_out(lambda k: self.fetch_chunk(entries[k], wheres[k]), rest, catch=Exception)
+        alone = await fan_out(lambda k: self.fetch_chunk(entries[k], wheres[k], damaged.get(k, ())), rest,
+                              catch=Exception)
         for k, r in zip(rest, alone.outcomes(rest)):
             results[k] = r
         return results  # type: ignore[return-value]  # every None replaced

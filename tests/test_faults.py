@@ -385,6 +385,37 @@ async def test_read_repair_rewrites_corrupt_and_missing_replicas(tmp_path: Path,
     assert len(repaired) == 2 and all("/ckpt.pt" in m and "'s0'" in m and entry.digest in m for m in repaired)
 
 
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+async def test_read_repair_rewrites_a_replica_that_a_batch_read_found_bad(tmp_path: Path, damage: str) -> None:
+    """A prefetch batch (`fetch_chunks`) reads three chunks from s0, the store that holds all three, and
+    finds chunk 0's copy there corrupt or missing: chunk 0 then comes from s1 (not from s0 again), and
+    s0's copy is rewritten in the background. The batch only logged it, and the single read that
+    followed, not having met the bad copy, repaired nothing (an audit's find)."""
+    config = _config(tmp_path, stores=2)
+    stores = [FaultyStore(s) for s in _folders(config)]
+    pool = StorePool(config, stores=stores)
+    datas = [os.urandom(30_000) for _ in range(3)]
+    entries = [await _store(pool, d, ["s0", "s1"] if k == 0 else ["s0"]) for k, d in enumerate(datas)]
+    passes = trio.Event()
+    passes.set()
+    reads = stores[0].hold("get", chunkfmt.chunk_key(entries[0].digest), passes)    # counts, holds nothing
+    copy = _copy(tmp_path, "s0", entries[0].digest)
+    if damage == "missing":
+        copy.unlink()
+    else:
+        copy.write_bytes(copy.read_bytes()[:-1] + bytes([copy.read_bytes()[-1] ^ 1]))
+    async with trio.open_nursery() as n:
+        await n.start(pool.run)
+        with trio.fail_after(10):
+            got = await pool.fetch_chunks(entries, [f"file /f chunk {k}" for k in range(3)])
+            assert [bytes(g) for g in got] == datas
+            while pool.health()[0].repairs < 1:
+                await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert pool.replica_statistics().batch_reads == 1 and _every_copy_good(tmp_path, entries[0])
+    assert reads.hits == 1                      # the batch's read: chunk 0 not read on s0 again
+
+
 async def test_a_copy_a_write_could_not_make_is_completed_in_the_background(tmp_path: Path) -> None:
     """write_quorum 1 of 2: the write returns with one copy when the other store fails, and the pool
     completes the missing copy in the background once it can."""
