@@ -186,14 +186,17 @@ def current_of(refs: list[VersionRef], committed: Container[str] = ()) -> Versio
 
 
 class Catalog:
-    def __init__(self, pool: StorePool, writer: str = WRITER_ID, journal: VoidJournal | None = None) -> None:
+    def __init__(self, pool: StorePool, writer: str = WRITER_ID, journal: VoidJournal | None = None,
+                 clock: Callable[[], int] = time.time_ns) -> None:
         """`writer`: this committer's id (one per process; tests may act as several). `journal`: where
-        the twins and markers no store took are kept across restarts (read here, at startup)."""
+        the twins and markers no store took are kept across restarts (read here, at startup). `clock`:
+        the wall clock of the commits' `committed_ns` (tests give a host's that is off)."""
         if not re.fullmatch(r"[0-9a-f]{1,32}", writer):
             raise ValueError(f"writer id {writer!r}: 1 to 32 lowercase hex digits (a version key holds it)")
         self.pool = pool
         self._cfg = pool.config
         self._writer = writer
+        self._clock = clock
         self._parsed: OrderedDict[str, Manifest] = OrderedDict()     # LRU of whole manifests
         self._summaries: dict[str, Summary] = {}
         self._highest: dict[str, int] = {}        # path hash -> highest version seen or committed here
@@ -506,7 +509,7 @@ class Catalog:
             where[ref.key] = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
             return new, ref, refs, where, committed
 
-        record = json.dumps({"txn": txn, "writer": self._writer, "host": HOST, "committed_ns": time.time_ns(),
+        record = json.dumps({"txn": txn, "writer": self._writer, "host": HOST, "committed_ns": self._clock(),
                              "paths": paths}).encode()
         record_stores: list[str] = []
         try:
@@ -582,7 +585,7 @@ class Catalog:
         h = path_hash(manifest.path)
         version = max([r.version for r in refs] + [self._highest.get(h, 0)]) + 1
         new = dataclasses.replace(manifest, version=version, writer=self._writer, host=HOST,
-                                  committed_ns=time.time_ns(), state=state, reason=reason)
+                                  committed_ns=self._clock(), state=state, reason=reason)
         ref = VersionRef(h, version, self._writer, state, VersionRef.key_of(h, version, self._writer, state, txn),
                          txn)
         return new, ref, place(h, self.pool.names, self._cfg.replicas)

@@ -62,7 +62,9 @@ Assumptions (the caveats):
    as for dedup's touch below) and a transaction's duration: a rename's or link's versions are written
    before its record, within gc_grace/2 (abandoned versions, above).
 2. The clocks of the stores' hosts (file servers, S3 endpoints) and of the host running gc agree within
-   a margin well below gc_grace/2.
+   a margin well below gc_grace/2. Writers' clocks need not: a version's age (a removal's, for the
+   purge; a transaction's, for abandonment) counts from the later of its `committed_ns` and its
+   newest copy's store mtime.
 3. gc's grace is at least the gc_grace of every mount's config (a mount touches only copies older than
    half of its own): `cpfs gc` refuses a `--grace` below its own config's gc_grace, and raises it to the
    longest gc_grace the stores' roster holds (cpfs/roster.py: every writer enrolls its config).
@@ -214,6 +216,7 @@ class GarbageCollector:
         self.forget = frozenset(forget)
         self.keep_removed = pool.config.keep_removed if keep_removed is None else keep_removed
         self.purged = 0                                 # removed paths purged by this run
+        self._written: dict[str, float] = {}            # key -> its newest copy's store mtime (`_list`)
 
     async def _checked_roster(self) -> str:
         """Why gc must not run with this config ("" if it may), after the roster's grace is taken."""
@@ -290,14 +293,17 @@ class GarbageCollector:
 
     # -- what is referenced ------------------------------------------------------------------------
     async def _list(self, prefixes: Iterable[str]) -> tuple[dict[str, list[str]], list[str]]:
-        """key -> the stores listing it, for every prefix on every store; and what could not be listed."""
+        """key -> the stores listing it, for every prefix on every store; and what could not be listed.
+        Notes when each key was last written to a store (`_written`)."""
         where: dict[str, list[str]] = {}
         prefixes = list(prefixes)
 
         async def one(name: str) -> None:
             for prefix in prefixes:
-                for key in await self.pool.list_keys(name, prefix):
-                    where.setdefault(key, []).append(name)
+                async for infos in self.pool.iter_info(name, prefix):
+                    for info in infos:
+                        where.setdefault(info.key, []).append(name)
+                        self._written[info.key] = max(self._written.get(info.key, 0.0), info.mtime)
 
         out = await fan_out(one, self.pool.names, catch=StoreError)
         return where, [f"store {name!r}: cannot list the manifests: {e.detail}" for name, e in out.errors]
@@ -334,7 +340,7 @@ class GarbageCollector:
                 if m is not None:
                     referenced.update(c.digest for c in m.chunks)   # abandoned ones too, this run
                     ref = VersionRef.parse(key)
-                    if ref is not None and ref.txn and ref.txn not in committed and m.committed_ns < cutoff * 1e9:
+                    if ref is not None and ref.txn and ref.txn not in committed and self._older(key, m, cutoff):
                         abandoned[key] = where[key]
                 elif (folder := _FOLDER.fullmatch(key)) is not None:
                     vanished.add(folder[1] + "/")
@@ -372,16 +378,23 @@ class GarbageCollector:
             if (newest.state == "deleted" and sum(r.order == newest.order for r in refs) == 1
                     and (not newest.txn or newest.txn in committed)):
                 tombs.append(newest)
-        before = (time.time() - self.keep_removed) * 1e9
+        before = time.time() - self.keep_removed
         expired: list[VersionRef] = []
 
         async def check(ref: VersionRef) -> None:
             m = await self._read(ref.key, where[ref.key], problems)
-            if m is not None and m.state == "deleted" and m.committed_ns < before:
+            if m is not None and m.state == "deleted" and self._older(ref.key, m, before):
                 expired.append(ref)
 
         await in_parallel(check, tombs, _READS)
         return {r.key: where[r.key] for t in expired for r in folders[t.path_hash]}
+
+    def _older(self, key: str, m: Manifest, before: float) -> bool:
+        """Whether the version under `key` was committed before `before` (gc's wall clock) by both clocks
+        that saw it: its writer's (`committed_ns`) and the stores' (the newest copy's mtime; the stores'
+        clocks agree with gc's: assumption 2). A writer's clock that is behind made a removal purged at
+        once, and a rename's versions abandoned while its record was on its way (an audit's finds)."""
+        return m.committed_ns < before * 1e9 and self._written.get(key, math.inf) < before
 
     async def _purge(self, purge: dict[str, list[str]], done: set[str], referenced: set[str],
                      problems: list[str]) -> int:

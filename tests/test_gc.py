@@ -122,9 +122,11 @@ def _digests(manifests: list[Manifest]) -> set[str]:
 class Writer:
     """A mount that commits files: its own pool, catalog (writer id) and importer."""
 
-    def __init__(self, tmp_path: Path, cfg: Path, writer: str, wrap: Callable[[Store], Store] | None = None):
+    def __init__(self, tmp_path: Path, cfg: Path, writer: str, wrap: Callable[[Store], Store] | None = None,
+                 behind: float = 0.0):
+        """`behind`: seconds its host's wall clock is behind (the commits' committed_ns)."""
         self.pool = _pool(cfg, wrap)
-        self.catalog = Catalog(self.pool, writer=writer)
+        self.catalog = Catalog(self.pool, writer=writer, clock=lambda: time.time_ns() - int(behind * 1e9))
         self.importer = Importer(self.pool, self.catalog)      # a new one per put, as `cpfs put` has
         self._src = tmp_path / "src"
         self._src.mkdir(exist_ok=True)
@@ -1067,3 +1069,41 @@ async def test_a_manifest_copy_whose_bits_rotted_does_not_lead_gc_astray(tmp_pat
     assert not report.refused
     assert _missing_copies(tmp_path, m) == []
     assert await Writer(tmp_path, cfg, "b2").read("/ckpt.pt") == data
+
+
+async def test_a_removal_from_a_host_whose_clock_is_behind_keeps_its_history(tmp_path: Path) -> None:
+    """`cpfs rm` on a host whose clock is 8 days behind: the removal's committed_ns is 8 days old, its
+    copies seconds old. gc judges the age by both clocks, so the history stays for keep_removed (7 days)
+    and the version before can be restored. By the writer's clock alone, the next gc purged it at once
+    (an audit's find)."""
+    cfg = _config(tmp_path)
+    data = os.urandom(SIZE)
+    v1 = await Writer(tmp_path, cfg, "a1").put("/ckpt.pt", data)
+    _age_chunks(tmp_path)
+    await Writer(tmp_path, cfg, "b2", behind=8 * 86400).catalog.remove("/ckpt.pt")
+    report = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=7 * 86400, settle=0).run()
+    assert report.purged == 0 and not report.refused
+    assert await Writer(tmp_path, cfg, "c3").read("/ckpt.pt", v1.version) == data
+
+
+async def test_a_rename_from_a_host_whose_clock_is_behind_is_not_taken_for_abandoned(tmp_path: Path) -> None:
+    """A folder rename (both names' versions, then the transaction record) from a host whose clock is
+    2 h behind, and gc (grace 60 s) running while the record is on its way: the versions are seconds old
+    on the stores, so gc leaves them, and once the record lands the new names read back. By the
+    writer's clock alone gc deleted them as abandoned, and the committed rename lost both names
+    (an audit's find)."""
+    cfg = _config(tmp_path, keep=3)
+    w = Writer(tmp_path, cfg, "a1")
+    a, b = os.urandom(SIZE), os.urandom(SIZE)
+    ma, mb = await w.put("/run/tmp/a.pt", a), await w.put("/run/tmp/b.pt", b)
+    wrap, reached, release = _pausing("put", "txns/")
+    slow = Writer(tmp_path, cfg, "b2", wrap, behind=7200)
+    async with trio.open_nursery() as n:
+        n.start_soon(slow.catalog.transact, [dataclasses.replace(ma, path="/run/final/a.pt"),
+                                             dataclasses.replace(mb, path="/run/final/b.pt")], [ma, mb])
+        await reached.wait()                      # the versions are written, the record on its way
+        report = await _gc(cfg)
+        release.set()
+    assert report.abandoned == 0 and not report.refused
+    r = Writer(tmp_path, cfg, "c3")
+    assert await r.read("/run/final/a.pt") == a and await r.read("/run/final/b.pt") == b
