@@ -34,7 +34,8 @@ its transaction, so a record that could not be deleted never counts again.
 
 Invariant: from the moment a commit checks a chunk copy until it writes its manifest at t_m, the copy's
 mtime stays after t - grace at every moment t. Mounts keep it: dedup touches a copy it reuses when the
-copy is older than gc_grace/2 (StorePool._kept), so after the check its mtime is at most gc_grace/2 old
+copy is older than gc_grace/2 on its store's clock (StorePool._kept measures that clock with a probe
+object, `clock/`, so a mount's own may be off), so after the check its mtime is at most gc_grace/2 old
 (a new copy is newer still); while the file stays open, its uploader touches again every copy that
 reaches gc_grace/2, looking every gc_grace/8 (cpfs/upload.py: Renewal), so no copy it counts on gets
 older than 5/8 of gc_grace (plus a renewal pass); and before writing the manifest it renews what is due,

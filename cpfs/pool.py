@@ -45,9 +45,11 @@ is found), and a read that does start on it hedges after the other stores' p95, 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
+import socket
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -63,7 +65,7 @@ from .manifest import ChunkEntry
 from .placement import place
 from .store import MeteredStore, ObjectInfo, Store, StoreStats, open_store
 from .store.base import Capacity
-from .sync import Budget, FanOut, fan_out, quorum
+from .sync import Budget, FanOut, SingleFlight, fan_out, quorum
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +80,8 @@ CHECK_TIMEOUT = 5.0          # a startup check or probe waits at most this (or t
 RANK_FLOOR = 0.001           # latencies below this rank alike (a local disk is a local disk)
 VERIFY_FULL_MAX = 256 * 1024  # dedup compares whole replicas up to this size, size + header above
 SUSPECTS_MAX = 100_000       # (store, digest) pairs remembered as read corrupt
+CLOCK_KEY = f"clock/{hashlib.sha256(socket.gethostname().encode()).hexdigest()[:16]}"   # this host's probe
+CLOCK_EVERY = 1 / 8          # of gc_grace: how long a measure of a store's clock serves (on ticks)
 LATENCY_SAMPLES = 64         # recent read latencies kept per store (for the p95 that hedging uses)
 ANSWERED_SAMPLES = 16        # recent answered reads kept per store (the fastest: what it takes at best)
 SLOW_RATIO = 4.0             # a store this much slower at best than another candidate is known slow
@@ -209,6 +213,8 @@ class StorePool:
                               else Budget(HEDGE_RATIO, burst=max(1, config.hedges)))
         self._last_answer = {n: -math.inf for n in self.names}    # when it last answered a request
         self._touched = self._renewed = 0
+        self._offsets: dict[str, tuple[float, float]] = {}    # store -> (its clock - ours, measured at ticks)
+        self._measuring: SingleFlight[str, float] = SingleFlight()
         self._batch_reads = self._batched = 0
         self._block_reads = self._block_bytes = self._block_misses = 0
         self._background: trio.Nursery | None = None   # run()'s, while it runs: where writes leave puts
@@ -1030,11 +1036,19 @@ class StorePool:
         return await self._kept(name, key, info)
 
     async def _kept(self, name: str, key: str, info: ObjectInfo) -> tuple[str, float]:
-        """("good", its mtime) for a copy dedup reuses, once it is safe from a concurrent gc
-        (cpfs/gc.py): a copy older than gc_grace/2 is renewed first; ("missing", 0) if a gc took it."""
+        """("good", its mtime on our clock) for a copy dedup reuses, once it is safe from a concurrent gc
+        (cpfs/gc.py): a copy older than gc_grace/2 is renewed first; ("missing", 0) if a gc took it. Its
+        age is judged on the store's clock (`_store_offset`): judged on ours, a host whose clock is
+        behind by gc_grace/2 took an old copy for a young one and left it to a gc, and its commit named
+        a chunk the gc deleted (an audit's find). A store whose clock cannot be read: renewed."""
         start = self.clock()
-        if start - info.mtime < self.config.gc_grace / 2:
-            return "good", info.mtime
+        try:
+            offset: float | None = await self._store_offset(name)
+        except StoreError as e:
+            log.warning("store %r: cannot read its clock (%s): renewing the copies dedup reuses", name, e)
+            offset = None
+        if offset is not None and start + offset - info.mtime < self.config.gc_grace / 2:
+            return "good", info.mtime - offset
         try:
             await self._touch_copy(name, key)
         except NoSuchObject:
@@ -1042,6 +1056,28 @@ class StorePool:
             return "missing", 0.0
         self._touched += 1
         return "good", start
+
+    async def _store_offset(self, name: str) -> float:
+        """Store `name`'s wall clock minus ours, in seconds: a probe object (CLOCK_KEY) written there and
+        its mtime read back, at most once per CLOCK_EVERY of gc_grace. gc judges ages on the stores'
+        clocks (its assumption 2); a mount's own may be off by any amount."""
+        sample = self._offsets.get(name)
+        if sample is not None and self.ticks() - sample[1] < self.config.gc_grace * CLOCK_EVERY:
+            return sample[0]
+
+        async def measure() -> float:
+            before = self.clock()
+            await self.put(name, CLOCK_KEY, b"")
+            mtime = (await self.stat(name, CLOCK_KEY)).mtime
+            offset = mtime - (before + self.clock()) / 2
+            if abs(offset) > self.config.gc_grace * CLOCK_EVERY and \
+                    abs(offset - (sample[0] if sample else 0.0)) > self.config.gc_grace * CLOCK_EVERY:
+                log.warning("store %r: its clock is %+.0f s from this host's; ages of copies are judged on "
+                            "the store's", name, offset)
+            self._offsets[name] = (offset, self.ticks())
+            return offset
+
+        return await self._measuring.run(name, measure)
 
     async def _touch_copy(self, name: str, key: str) -> None:
         """Touch a copy, then look it up again: NoSuchObject if a gc took it meanwhile (on a folder

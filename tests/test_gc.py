@@ -124,8 +124,10 @@ class Writer:
 
     def __init__(self, tmp_path: Path, cfg: Path, writer: str, wrap: Callable[[Store], Store] | None = None,
                  behind: float = 0.0):
-        """`behind`: seconds its host's wall clock is behind (the commits' committed_ns)."""
-        self.pool = _pool(cfg, wrap)
+        """`behind`: seconds its host's wall clock is behind (its pool's, and its commits' committed_ns)."""
+        clock = Clock()
+        clock.ahead = -behind
+        self.pool = _pool(cfg, wrap, clock if behind else None)
         self.catalog = Catalog(self.pool, writer=writer, clock=lambda: time.time_ns() - int(behind * 1e9))
         self.importer = Importer(self.pool, self.catalog)      # a new one per put, as `cpfs put` has
         self._src = tmp_path / "src"
@@ -1107,3 +1109,24 @@ async def test_a_rename_from_a_host_whose_clock_is_behind_is_not_taken_for_aband
     assert report.abandoned == 0 and not report.refused
     r = Writer(tmp_path, cfg, "c3")
     assert await r.read("/run/final/a.pt") == a and await r.read("/run/final/b.pt") == b
+
+
+@pytest.mark.parametrize("behind", [0.0, GRACE])
+async def test_a_mount_whose_clock_is_behind_renews_the_old_copies_it_reuses(tmp_path: Path, behind: float) -> None:
+    """Content identical to a retired version is saved again; its chunks are 72 s old on the stores'
+    clocks, past gc's grace (60 s). A gc runs after the mount checked them and before its manifest. The
+    mount judges their age on the stores' clocks (a probe's mtime), so it renews them however far its
+    own clock is behind, and the commit reads back. With its clock 60 s behind it took them for 12 s
+    old, left them, and the gc deleted what the commit names (an audit's find)."""
+    cfg = _config(tmp_path, keep=1)
+    _, content, first = await _retired(tmp_path, cfg)
+    _age_chunks(tmp_path, age=1.2 * GRACE)
+    wrap, reached, release = _pausing("put", "manifests/")
+    w = Writer(tmp_path, cfg, "b2", wrap, behind=behind)
+    async with trio.open_nursery() as n:
+        await _start_until_paused(n, lambda: w.put("/ckpt.bin", content), reached)
+        report = await _gc(cfg)
+        release.set()
+    assert report.refused == "" and sum(s.deleted for s in report.stores) == 0
+    assert w.pool.replica_statistics().touched == 2 * len(first.chunks)
+    assert await Writer(tmp_path, cfg, "c3").read("/ckpt.bin") == content
