@@ -164,6 +164,7 @@ class CatalogStats:
 class Listing(dict[str, list[str]]):
     """A listing of every store: key -> the stores that list it."""
     complete = True         # every store answered (else a key may be on a store it missed)
+    missed: frozenset[str] = frozenset()     # the stores that did not
 
 
 def voided(refs: Iterable[VersionRef]) -> set[tuple[int, str]]:
@@ -238,6 +239,7 @@ class Catalog:
         if errors and len(errors) == len(self.pool.names):
             raise errors[0]
         where.complete = not errors
+        where.missed = frozenset(e.store for e in errors)
         return where
 
     async def _fetch(self, key: str, names: Sequence[str]) -> Manifest:
@@ -574,10 +576,25 @@ class Catalog:
         await self._commit(self._tomb(m), "deleted", "")
 
     async def _listed_refs(self, path: str) -> tuple[list[VersionRef], Listing, set[str]]:
+        """The path's versions, for a commit: its version is one above the highest listed. A version
+        lands on write_quorum of the path's `replicas` placement stores, so the listing must reach
+        replicas - write_quorum + 1 of them to meet every one (with the default write_quorum, one).
+        With write_quorum 1 of 2, a save listed on the one store that missed the newest versions took a
+        lower number than they had, and once the other store was back, the older save was current again
+        (an audit's find): such a commit now fails (EIO) instead."""
         try:
-            return await self._refs(path)
+            refs, where, committed = await self._refs(path)
         except StoreError as e:
             raise StoreUnavailable(e.store, f"cannot list the versions of {path}: {e.detail}") from None
+        placement = place(path_hash(path), self.pool.names, self._cfg.replicas)
+        reached = [n for n in placement if n not in where.missed]
+        need = self._cfg.replicas - self._cfg.write_quorum + 1
+        if len(reached) < need:
+            missed = sorted(set(placement) & where.missed)
+            raise StoreUnavailable(missed[0], f"cannot list the versions of {path} on enough stores to number a "
+                                   f"new one: {len(reached)} of its {len(placement)} answered ({', '.join(missed)} "
+                                   f"did not), {need} needed with write_quorum {self._cfg.write_quorum}")
+        return refs, where, committed
 
     def _next(self, manifest: Manifest, refs: list[VersionRef], state: str, reason: str,
               txn: str = "") -> tuple[Manifest, VersionRef, list[str]]:

@@ -16,7 +16,7 @@ import trio
 from cpfs import chunk as chunkfmt
 from cpfs.catalog import Catalog, Unreadable, VersionRef
 from cpfs.config import parse_config
-from cpfs.errors import ManifestError, NotFound, StoreError
+from cpfs.errors import ManifestError, NotFound, StoreError, StoreUnavailable
 from cpfs.manifest import ChunkEntry, Manifest, path_hash
 from cpfs.placement import place
 from cpfs.pool import StorePool
@@ -398,3 +398,33 @@ async def test_a_file_removed_while_a_store_is_down_stays_removed_when_it_return
     with pytest.raises(NotFound):
         await fresh.get("/ckpt.pt")
     assert any(f.endswith(".ok.json") for f in version_files(tmp_path, "s1", "/ckpt.pt"))   # the old one is there
+
+
+async def test_a_commit_that_cannot_list_enough_stores_to_number_its_version_fails(tmp_path: Path) -> None:
+    """write_quorum 1 of 2: A's versions 2 and 3 land on store X alone (Y refused them). With X down, B's
+    save lists Y alone, which cannot tell the newest version: the commit fails (StoreUnavailable, EIO)
+    instead of taking version 2 again, below A's 3. Once X is back, B's save takes version 4 and is
+    current on every mount. Before, B's save succeeded as version 2, and once X was back A's older
+    save was current again (an audit's find)."""
+    faulty: list[FaultyStore] = []
+
+    def wrap(store):
+        faulty.append(FaultyStore(store))
+        return faulty[-1]
+    pool = make_pool(tmp_path, stores=2, replicas=2, quorum=1, wrap=wrap)
+    x, y = faulty
+    a = Catalog(pool, writer="aa")
+    await commit_bytes(a, "/p", b"v1 by A")
+    rule = y.refuse("put", "manifests/*")
+    await commit_bytes(a, "/p", b"v2 by A")
+    await commit_bytes(a, "/p", b"v3 by A")
+    y.allow(rule)
+    x.down = True
+    b = Catalog(pool, writer="bb")
+    with pytest.raises(StoreUnavailable, match="on enough stores"):
+        await commit_bytes(b, "/p", b"B's save")
+    x.down = False
+    saved = await commit_bytes(b, "/p", b"B's save")
+    assert saved.version == 4
+    fresh = Catalog(make_pool(tmp_path, stores=2, replicas=2, quorum=1), writer="cc")
+    assert (await fresh.current("/p")).writer == "bb"
