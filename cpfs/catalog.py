@@ -59,7 +59,8 @@ from typing import TypeVar
 
 import trio
 
-from .errors import ChunkUnavailable, ManifestError, NoSuchObject, NotFound, StoreError, StoreUnavailable
+from .errors import (ChunkUnavailable, IsADirectory, ManifestError, NoSuchObject, NotADirectory, NotFound,
+                     StoreError, StoreUnavailable)
 from .manifest import SUMMARY_MAX, ChunkEntry, Manifest, Summary, path_hash
 from .placement import place
 from .pool import StorePool
@@ -473,10 +474,17 @@ class Catalog:
         """Record bytes that did not make a complete file: kept in the history, never current."""
         return await self._commit(manifest, "failed", reason)
 
-    async def remove(self, path: str) -> None:
-        """A tombstone version: the path is gone, its history stays (restore brings it back)."""
+    async def remove(self, path: str, folder: bool | None = None) -> None:
+        """A tombstone version: the path is gone, its history stays (restore brings it back). `folder`:
+        the kind the caller removes (rmdir: True, unlink: False). If the current version is the other
+        kind, another mount replaced what the caller saw (a folder by a file, or the reverse), and
+        nothing is removed: NotADirectory or IsADirectory. An rmdir once removed such a file."""
         try:
-            m = await self.get(path)
+            s = await self.current(path)
+            if folder is not None and s.directory != folder:
+                raise (NotADirectory if folder else IsADirectory)(
+                    f"{path}: a {'file' if folder else 'folder'} now (committed elsewhere): not removed")
+            m = await self.manifest(s)
         except ManifestError as e:       # an unreadable current version can still be removed
             log.warning("%s: removing a file whose manifest is unreadable: %s", path, e)
             m = Manifest(path=path, size=0, mtime_ns=0, mode=0o644, chunk_size=self._cfg.chunk_size,

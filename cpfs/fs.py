@@ -313,6 +313,7 @@ class CpfsOperations(pyfuse3.Operations):
         def changed_here(path: str) -> bool:
             return any(path == p or path.startswith(p + "/") for p in touched)
 
+        files_now: list[tuple[Node, Summary]] = []
         for path, m in manifests.items():
             if changed_here(path):
                 continue
@@ -325,9 +326,13 @@ class CpfsOperations(pyfuse3.Operations):
                     log.warning("not showing %s: %s", path, e)
                 continue
             if node.is_dir:
-                if not isinstance(m, Unreadable) and m.directory and _newer(m, node, self.catalog):
+                if isinstance(m, Unreadable) or not _newer(m, node, self.catalog):
+                    continue
+                if m.directory:
                     node.set_version(m)         # a folder is a folder: same inode, new attributes
                     self._invalidate(node.ino)  # the kernel checks permissions on its cached ones
+                else:
+                    files_now.append((node, m))     # once what was in it is gone too (below)
                 continue
             if node.ino in self.writing:
                 continue
@@ -341,6 +346,12 @@ class CpfsOperations(pyfuse3.Operations):
                 and n.ino not in self.writing for p in n.names if p not in manifests and not changed_here(p)]
         for node, path in gone:
             self._drop(node, path)
+        # A folder removed elsewhere and a file made in its place: the file, once the folder is empty
+        # here. Kept as a folder, it stayed one for good, and an rmdir of it removed that file.
+        for node, m in files_now:
+            if not node.children and self.ns.is_current(node):
+                self._drop(node)
+                self.ns.add(m)
         # Folders: a committed one removed elsewhere, or one that only held files removed elsewhere,
         # goes once empty (deepest first); a folder this mount is using keeps its name.
         emptied = {d for _, p in gone for d in parent_dirs(p)}
@@ -1037,7 +1048,7 @@ class CpfsOperations(pyfuse3.Operations):
             return
         with self._changing(node.path):
             if node.summary is not None or node.broken:
-                await self.catalog.remove(node.path)
+                await self.catalog.remove(node.path, folder=False)
             w = self.writing.get(node.ino)
             if w is not None:
                 w.unlinked = True            # open handles keep working; nothing is committed
@@ -1064,7 +1075,7 @@ class CpfsOperations(pyfuse3.Operations):
             raise NotEmpty(f"{node.path}: not empty")
         with self._changing(node.path):
             if node.summary is not None:
-                await self.catalog.remove(node.path)
+                await self.catalog.remove(node.path, folder=True)
             self.ns.remove(node)
         self._entries_changed(self.ns.node(parent_inode))
 

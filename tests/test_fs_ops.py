@@ -718,3 +718,57 @@ async def test_two_first_reads_at_once_open_one_reader(tmp_path: Path) -> None:
         await trio.sleep(0.1)
         assert ops.sched.statistics().open_files == 0
         assert ops.sched.cache.statistics().pinned == 0
+
+
+async def _listed_again(ops: CpfsOperations) -> None:
+    """The mount lists the stores again: an `ls` once `refresh` has passed."""
+    await trio.sleep(ops.config.refresh)
+    await ops.opendir(pyfuse3.ROOT_INODE, pyfuse3.RequestContext())
+
+
+@pytest.mark.parametrize("inside", [False, True])
+async def test_a_folder_replaced_by_a_file_in_another_mount_is_a_file_here(tmp_path: Path, inside: bool) -> None:
+    """Mount A removes folder d (and the file in it) and saves a file d; mount B, which showed the
+    folder, shows the file once it lists the stores again. It kept the empty folder for good (an
+    audit's find), and wrote files into it that no other mount would show."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="staging-a", writer="aa") as (a, _), \
+            operations(tmp_path, staging="staging-b", writer="bb") as (b, _):
+        d = await a.mkdir(pyfuse3.ROOT_INODE, b"d", 0o755, ctx)
+        if inside:
+            await new_file(a, d.st_ino, b"x", b"1")
+        await _listed_again(b)
+        assert stat.S_ISDIR((await b.lookup(pyfuse3.ROOT_INODE, b"d", ctx)).st_mode)
+        if inside:
+            await a.unlink(d.st_ino, b"x", ctx)
+        await a.rmdir(pyfuse3.ROOT_INODE, b"d", ctx)
+        await new_file(a, pyfuse3.ROOT_INODE, b"d", b"now a file")
+        await _listed_again(b)
+        attrs = await b.lookup(pyfuse3.ROOT_INODE, b"d", ctx)
+        assert stat.S_ISREG(attrs.st_mode) and attrs.st_size == len(b"now a file")
+
+
+async def test_an_rmdir_of_a_folder_another_mount_replaced_by_a_file_removes_nothing(tmp_path: Path) -> None:
+    """Before mount B lists the stores again, its rmdir of the folder that mount A replaced by a file
+    answers ENOTDIR and leaves A's file; an unlink of a file replaced by a folder answers EISDIR. The
+    rmdir once removed A's committed file."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="staging-a", writer="aa") as (a, catalog), \
+            operations(tmp_path, staging="staging-b", writer="bb") as (b, _):
+        await a.mkdir(pyfuse3.ROOT_INODE, b"d", 0o755, ctx)
+        await new_file(a, pyfuse3.ROOT_INODE, b"f", b"a file")
+        await _listed_again(b)
+        await b.lookup(pyfuse3.ROOT_INODE, b"d", ctx)
+        await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)
+        await a.rmdir(pyfuse3.ROOT_INODE, b"d", ctx)
+        await new_file(a, pyfuse3.ROOT_INODE, b"d", b"A's file")
+        await a.unlink(pyfuse3.ROOT_INODE, b"f", ctx)
+        await a.mkdir(pyfuse3.ROOT_INODE, b"f", 0o755, ctx)
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await b.rmdir(pyfuse3.ROOT_INODE, b"d", ctx)
+        assert e.value.errno == errno.ENOTDIR
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await b.unlink(pyfuse3.ROOT_INODE, b"f", ctx)
+        assert e.value.errno == errno.EISDIR
+        assert (await catalog.current("/d")).size == len(b"A's file")
+        assert (await catalog.current("/f")).directory
