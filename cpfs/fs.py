@@ -490,10 +490,8 @@ class CpfsOperations(pyfuse3.Operations):
     @boundary
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         node = self.ns.node(fh)
-        for i, (name, ino) in enumerate(sorted(node.children.items())):
-            if i < start_id:
-                continue
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self.attributes(self.ns.node(ino)), i + 1):
+        for name, ino, cookie in node.listing(start_id):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self.attributes(self.ns.node(ino)), cookie):
                 break
 
     @boundary

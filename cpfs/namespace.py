@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import posixpath
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -40,7 +41,12 @@ class Node:
     is_dir: bool
     summary: Summary | None = None            # the committed version; None for folders and new files
     manifest: Manifest | None = None          # its whole manifest, once fetched (see the module doc)
-    children: dict[str, int] = field(default_factory=dict)
+    children: dict[str, int] = field(default_factory=dict)    # change with `attach` and `detach`
+    # A folder's readdir cookie of each name: given when the name arrives, never moved, so a listing
+    # resumed at a cookie skips or repeats no name while others come and go (a position in the sorted
+    # names shifted: a loop that removed what it listed left a name in 40).
+    cookies: dict[str, int] = field(default_factory=dict)
+    _next_cookie: int = 1
     broken: str = ""                          # why the current version cannot be read (open: EIO)
     entries_changed_ns: int = 0               # a folder: when this mount last added or removed a name in it
                                               # (its mtime and ctime show it; not committed, see cpfs/fs.py)
@@ -75,6 +81,23 @@ class Node:
         self._index = None
         self.broken = ""
 
+    def attach(self, name: str, ino: int) -> None:
+        """A folder's name leads to `ino` now (a new name gets the next readdir cookie)."""
+        if name not in self.children:
+            self.cookies[name] = self._next_cookie
+            self._next_cookie += 1
+        self.children[name] = ino
+
+    def detach(self, name: str) -> None:
+        self.children.pop(name, None)
+        self.cookies.pop(name, None)
+
+    def listing(self, after: int) -> Iterator[tuple[str, int, int]]:
+        """(name, inode, cookie) of the folder's names whose cookie is past `after`, in cookie order."""
+        for name, cookie in list(self.cookies.items()):
+            if cookie > after and name in self.children:
+                yield name, self.children[name], cookie
+
     def take_manifest(self, manifest: Manifest) -> None:
         """The whole manifest of the version the node shows, fetched on first need."""
         if self.summary is not None and self.summary.order == manifest.order and self.manifest is None:
@@ -98,7 +121,7 @@ class Namespace:
         node = Node(next(self._inos), path, is_dir)
         self.nodes[node.ino] = node
         self.by_path[path] = node.ino
-        self.parent(node).children[node.name] = node.ino
+        self.parent(node).attach(node.name, node.ino)
         return node
 
     def parent(self, node: Node) -> Node:
@@ -145,7 +168,7 @@ class Namespace:
         """A hard link: `path` (free, in an existing folder) leads to `node` too."""
         node.aliases.append(path)
         self.by_path[path] = node.ino
-        self.parent_of(path).children[posixpath.basename(path)] = node.ino
+        self.parent_of(path).attach(posixpath.basename(path), node.ino)
 
     def remove_name(self, node: Node, path: str) -> None:
         """One name of a file goes; the node with its last name."""
@@ -162,7 +185,7 @@ class Namespace:
         del self.by_path[path]
         parent = self.by_path.get(posixpath.dirname(path))
         if parent is not None:
-            self.nodes[parent].children.pop(posixpath.basename(path), None)
+            self.nodes[parent].detach(posixpath.basename(path))
 
     def _retire(self, node: Node) -> None:
         self.retired[node.ino] = self.nodes.pop(node.ino)
@@ -225,9 +248,9 @@ class Namespace:
         """Re-home the name `old` (default: the node's path) of a node, and rename everything below it;
         the target name must be free."""
         old = old or node.path
-        self.parent_of(old).children.pop(posixpath.basename(old), None)
+        self.parent_of(old).detach(posixpath.basename(old))
         new = posixpath.join(parent.path, name)
-        parent.children[name] = node.ino
+        parent.attach(name, node.ino)
         for path, n in self.entries(node, old):
             moved = new + path[len(old):]
             del self.by_path[path]

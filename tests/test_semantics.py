@@ -470,3 +470,30 @@ def test_a_hard_link_that_cannot_commit_adds_no_name(make_config, tmp_path, moun
     assert os.listdir(a.path) == ["model.pt"] and os.stat(a.path / "model.pt").st_nlink == 1
     b = mount(cfg, "b")
     assert os.listdir(b.path) == ["model.pt"] and (b.path / "model.pt").read_bytes() == b"weights"
+
+
+def test_a_folder_listed_while_its_names_come_and_go_gives_each_other_name_once(make_config, tmp_path, mount):
+    """`for e in os.scandir(d): os.unlink(e.path)` (shutil.rmtree does so) empties the folder, as on a
+    local one; names created while a listing runs do not make another name come twice. readdir's
+    offsets were positions in the sorted names, which shift when one goes: 5 of 200 files were left
+    (an audit's find). Now each name keeps the cookie it got when it arrived."""
+    m = mount(config(make_config, tmp_path))
+    d = m.path / "d"
+    d.mkdir()
+    for i in range(200):
+        (d / f"file-{i:04d}.txt").write_bytes(b"x")
+    for e in os.scandir(d):
+        os.unlink(e.path)
+    assert os.listdir(d) == []
+    for i in range(100):
+        (d / f"old-{i:03d}").write_bytes(b"x")
+    seen = []
+    for k, e in enumerate(os.scandir(d)):
+        seen.append(e.name)
+        if k < 100:
+            (d / f"new-{k:03d}").write_bytes(b"y")   # may or may not be listed (POSIX), never twice
+    old = [n for n in seen if n.startswith("old-")]
+    assert sorted(old) == [f"old-{i:03d}" for i in range(100)] and len(set(seen)) == len(seen)
+    assert set(seen) <= {f"old-{i:03d}" for i in range(100)} | {f"new-{k:03d}" for k in range(100)}
+    shutil.rmtree(d)
+    assert not d.exists()
