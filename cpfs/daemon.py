@@ -286,7 +286,9 @@ def remove_staging(folder: Path) -> None:
 
 
 def setup_logging(level: str, log_file: str | None) -> None:
-    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    # A file name that is not UTF-8 is logged escaped, not lost to a "Logging error".
+    handler = logging.FileHandler(log_file, encoding="utf-8", errors="backslashreplace") if log_file \
+        else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

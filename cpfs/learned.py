@@ -52,6 +52,7 @@ import bisect
 import hashlib
 import json
 import logging
+import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,7 +159,7 @@ class StoreShared:
 
     @staticmethod
     def key(schema: str, unit: str) -> str:
-        return f"{SHARED_PREFIX}{schema}/{hashlib.blake2b(unit.encode(), digest_size=16).hexdigest()}.json"
+        return f"{SHARED_PREFIX}{schema}/{hashlib.blake2b(os.fsencode(unit), digest_size=16).hexdigest()}.json"
 
     async def get(self, schema: str, unit: str) -> list[Recording]:
         """The recordings of `schema` that landed in `unit`; none if there is no object."""

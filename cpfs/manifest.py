@@ -28,6 +28,7 @@ import binascii
 import bisect
 import dataclasses
 import json
+import os
 import posixpath
 import re
 from collections.abc import Iterable
@@ -71,8 +72,8 @@ def normalize_path(path: str) -> str:
 
 def path_hash(path: str) -> str:
     """Names a path's folder of manifest versions on the stores: a hash, since paths may be long or
-    hold any character."""
-    return blake3.blake3(path.encode()).hexdigest()[:40]
+    hold any character (names that are not UTF-8 too: bytes kept as os.fsdecode keeps them)."""
+    return blake3.blake3(os.fsencode(path)).hexdigest()[:40]
 
 
 @dataclass(frozen=True)

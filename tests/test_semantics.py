@@ -497,3 +497,24 @@ def test_a_folder_listed_while_its_names_come_and_go_gives_each_other_name_once(
     assert set(seen) <= {f"old-{i:03d}" for i in range(100)} | {f"new-{k:03d}" for k in range(100)}
     shutil.rmtree(d)
     assert not d.exists()
+
+
+def test_a_file_name_that_is_not_utf8_is_saved_listed_read_and_removed(make_config, tmp_path, mount):
+    """Linux names are bytes: one that is not UTF-8 (a Latin-1 name from an old tool) saves, lists,
+    reads back and goes like any other, here and in another mount; its commit failed with EIO (an
+    audit's find: the manifest's path hash encoded the name strictly)."""
+    cfg = config(make_config, tmp_path)
+    a = mount(cfg)
+    root = os.fsencode(a.path)
+    name = b"step_\xe9t\xe9-\xff.pt"
+    with open(root + b"/" + name, "wb") as f:
+        f.write(b"weights")
+    os.mkdir(root + b"/run-\xfe")
+    os.rename(root + b"/" + name, root + b"/run-\xfe/" + name)
+    assert os.listdir(root) == [b"run-\xfe"] and os.listdir(root + b"/run-\xfe") == [name]
+    b = os.fsencode(mount(cfg, "b").path)
+    with open(b + b"/run-\xfe/" + name, "rb") as f:
+        assert f.read() == b"weights"
+    os.unlink(root + b"/run-\xfe/" + name)
+    os.rmdir(root + b"/run-\xfe")
+    assert os.listdir(root) == [] and os.listdir(b) == []
