@@ -1047,11 +1047,24 @@ class CpfsOperations(pyfuse3.Operations):
         with self._changing(node.path):
             if node.summary is not None or node.broken:
                 await self.catalog.remove(node.path, folder=False)
+            elif (hidden := await self._hidden(node, node.path)) is not None:
+                await self.catalog.transact([], [hidden])
             w = self.writing.get(node.ino)
             if w is not None:
                 w.unlinked = True            # open handles keep working; nothing is committed
             self.ns.remove(node)
         self._entries_changed(self.ns.node(parent.ino))
+
+    async def _hidden(self, node: Node, path: str) -> Manifest | None:
+        """The committed version at `path` that `node` (never committed) was renamed over, if it is
+        still the current one there (a newer one committed elsewhere since is not ours to remove)."""
+        if node.summary is not None or node.hides is None:
+            return None
+        try:
+            s = await self.catalog.current(path)
+        except (NotFound, ManifestError):
+            return None
+        return await self.catalog.manifest(s) if s.order == node.hides.order else None
 
     async def _unlink_name(self, node: Node, path: str) -> None:
         """One name of a hard-linked file goes, and its other names show the new ctime: one transaction."""
@@ -1113,8 +1126,11 @@ class CpfsOperations(pyfuse3.Operations):
                 # One transaction for the file, or the folder and every committed name below it: another
                 # mount sees the old tree or the new one, never a mix, and a failure changes nothing.
                 now = time.time_ns()
-                moving = [(p, f) for p, f in self.ns.entries(node, old_path) if f.summary is not None]
+                entries = self.ns.entries(node, old_path)
+                moving = [(p, f) for p, f in entries if f.summary is not None]
                 old = [dataclasses.replace(await self._manifest(f), path=p) for p, f in moving]
+                # Versions that files never committed were renamed over leave with them.
+                hidden = [m for p, f in entries if (m := await self._hidden(f, p)) is not None]
                 new = [dataclasses.replace(m, path=new_path + p[len(old_path):],
                                            **({"ctime_ns": now} if f is node else {}))   # as on Linux
                        for (p, f), m in zip(moving, old)]
@@ -1128,7 +1144,10 @@ class CpfsOperations(pyfuse3.Operations):
                 if (old_path not in node.names and not node.is_dir) or not self.ns.is_current(node) \
                         or (node.is_dir and node.path != old_path) or new_parent.children.get(new_name) != target:
                     raise pyfuse3.FUSEError(errno.EAGAIN)     # changed while the manifests were read
-                committed = await self.catalog.transact(new + touched + replaced, old) if moving else []
+                committed = await self.catalog.transact(new + touched + replaced, old + hidden) \
+                    if moving or hidden else []
+                for _, f in entries:
+                    f.hides = None
                 if t is not None:
                     # A committed target stays on the stores until something commits under its name: the
                     # renamed file's move, or (never committed yet) its first commit. If that never comes,
@@ -1139,6 +1158,8 @@ class CpfsOperations(pyfuse3.Operations):
                     if t.is_dir:
                         self.ns.remove(t)
                     else:
+                        if node.summary is None:
+                            node.hides = t.summary or t.hides
                         self.ns.remove_name(t, new_path)
                         if replaced and committed:
                             t.set_version(committed[len(new) + len(touched)])   # its first name's version

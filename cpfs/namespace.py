@@ -51,6 +51,10 @@ class Node:
     entries_changed_ns: int = 0               # a folder: when this mount last added or removed a name in it
                                               # (its mtime and ctime show it; not committed, see cpfs/fs.py)
     aliases: list[str] = field(default_factory=list)   # a file's other names (hard links)
+    # A file never committed that was renamed over a committed one: that version, which the stores keep
+    # until this file commits (a crash meanwhile loses nothing). If this file leaves the name first
+    # (unlink, rename), it goes too; it came back at the next listing.
+    hides: Summary | None = None
     _index: TensorIndex | None = None
 
     @property
@@ -231,10 +235,12 @@ class Namespace:
 
     def entries(self, node: Node, path: str | None = None) -> list[tuple[str, Node]]:
         """(path, node) of the node under `path` (default: its own) and of every name below it."""
-        path = path or node.path
-        out = [(path, node)]
-        for name, c in node.children.items():
-            out.extend(self.entries(self.nodes[c], posixpath.join(path, name)))
+        out: list[tuple[str, Node]] = []
+        todo = [(path or node.path, node)]     # depth first, without recursion: trees may be deep
+        while todo:
+            p, n = todo.pop()
+            out.append((p, n))
+            todo.extend((posixpath.join(p, name), self.nodes[c]) for name, c in reversed(n.children.items()))
         return out
 
     def walk(self, node: Node) -> list[Node]:

@@ -50,3 +50,17 @@ def test_a_name_that_joins_a_link_group_leaves_its_old_node() -> None:
     old = ns.resolve("/b")
     node = ns.add(summary("/b", L))
     assert node is ns.resolve("/a") and sorted(node.names) == ["/a", "/b"] and not ns.is_current(old)
+
+
+def test_a_folder_tree_deeper_than_pythons_recursion_limit_moves_and_goes() -> None:
+    """An audit's find: a rename of a folder 1500 levels deep failed with RecursionError (EIO), as
+    any walk below it did."""
+    deep = "/top" + "/d" * 1500 + "/model.pt"
+    ns = Namespace({deep: summary(deep), "/other.pt": summary("/other.pt")})
+    node = ns.resolve(deep)
+    ns.move(ns.resolve("/top"), ns.resolve("/"), "moved")
+    assert node.path == "/moved" + "/d" * 1500 + "/model.pt" and ns.resolve(node.path) is node
+    assert [p for p, _ in ns.entries(ns.resolve("/moved"))][:3] == ["/moved", "/moved/d", "/moved/d/d"]
+    assert ns.files_below(ns.resolve("/moved")) == [node]
+    ns.remove(ns.resolve("/moved"))
+    assert sorted(ns.by_path) == ["/", "/other.pt"] and not ns.is_current(node)

@@ -113,6 +113,31 @@ def test_rename_of_an_uncommitted_file_over_a_committed_one_keeps_the_target_unt
     assert [r["state"] for r in log(cfg, "/target.pt")][:2] == ["ok", "ok"]
 
 
+@pytest.mark.parametrize("then", ["unlink", "rename-away"])
+def test_an_uncommitted_file_renamed_over_a_committed_one_takes_it_along_when_it_leaves(
+        make_config, tmp_path, mount, then):
+    """rename(tmp, target) with tmp still open and never committed, then target unlinked or renamed
+    away before tmp's close: the target's old version is gone for good, here and in every mount (an
+    audit found it back at the next listing: the stores kept it for the commit that never came)."""
+    cfg = config(make_config, tmp_path)
+    put(cfg, tmp_path, "/target.pt", b"replaced")
+    m = mount(cfg)
+    with open(m.path / "tmp.pt", "wb") as w:
+        w.write(b"new bytes")
+        os.rename(m.path / "tmp.pt", m.path / "target.pt")
+        if then == "unlink":
+            os.unlink(m.path / "target.pt")
+        else:
+            os.rename(m.path / "target.pt", m.path / "moved.pt")
+    time.sleep(0.5)                                        # past the mount's refresh interval
+    expected = [] if then == "unlink" else ["moved.pt"]
+    assert sorted(os.listdir(m.path)) == expected
+    assert sorted(os.listdir(mount(cfg, "mnt2").path)) == expected
+    assert cpfs("cat", "/target.pt", config=cfg, check=False).returncode != 0
+    if then == "rename-away":
+        assert cat(cfg, "/moved.pt") == b"new bytes"
+
+
 def test_a_bad_manifest_makes_only_its_file_unreadable(make_config, tmp_path, mount):
     """Every replica of one file's newest manifest damaged: that file gives EIO, its folder lists, its
     neighbours read; `cpfs log` names the problem and `cpfs restore` brings the last good version back."""
