@@ -168,6 +168,12 @@ class Listing(dict[str, list[str]]):
     missed: frozenset[str] = frozenset()     # the stores that did not
 
 
+class Snapshot(dict[str, "Summary | Unreadable"]):
+    """Every path that exists -> its current version (load_all). `missed`: the stores whose listing
+    failed; a path whose placement stores they are may exist without being here (listed_enough)."""
+    missed: frozenset[str] = frozenset()
+
+
 def voided(refs: Iterable[VersionRef]) -> set[tuple[int, str]]:
     """The (version, writer) of every failed key: a failed key voids an ok or deleted key of the same
     version and writer (its twin: see the module doc)."""
@@ -350,6 +356,8 @@ class Catalog:
         refs, where, committed = await self._refs(path)
         cur = current_of(refs, committed)
         if cur is None or cur.state == "deleted":
+            if not self.listed_enough(path, where.missed):     # it may be on the stores that missed
+                raise self._unlisted(path, where.missed, "to tell whether it exists")
             raise NotFound(f"no file {path!r}")
         s = await self._summary(cur.key, where[cur.key])
         if s.path != path:
@@ -382,9 +390,9 @@ class Catalog:
                 return await self.manifest(info.summary)
         raise NotFound(f"{path}: no version {version} (see cpfs log {path})")
 
-    async def load_all(self) -> dict[str, Summary | Unreadable]:
+    async def load_all(self) -> Snapshot:
         """Every path that exists now -> its current version's summary (or Unreadable). Unreadable
-        stores are logged and skipped as long as some store answers."""
+        stores are logged and skipped as long as some store answers; the answer names them."""
         known = set(self._txns)          # committed before the listings: known to this snapshot
         committed = known | await self.committed_transactions()   # before manifests: see the module doc
         where = await self._list(PREFIX)
@@ -400,7 +408,8 @@ class Catalog:
             r = await self._migrate(key, where)
             if r is not None:
                 by_hash.setdefault(r.path_hash, []).append(r)
-        out: dict[str, Summary | Unreadable] = {}
+        out = Snapshot()
+        out.missed = where.missed
         limiter = trio.CapacityLimiter(_FETCHES)
 
         async def one(h: str, refs: list[VersionRef]) -> None:
@@ -594,15 +603,26 @@ class Catalog:
             refs, where, committed = await self._refs(path)
         except StoreError as e:
             raise StoreUnavailable(e.store, f"cannot list the versions of {path}: {e.detail}") from None
-        placement = place(path_hash(path), self.pool.names, self._cfg.replicas)
-        reached = [n for n in placement if n not in where.missed]
-        need = self._cfg.replicas - self._cfg.write_quorum + 1
-        if len(reached) < need:
-            missed = sorted(set(placement) & where.missed)
-            raise StoreUnavailable(missed[0], f"cannot list the versions of {path} on enough stores to number a "
-                                   f"new one: {len(reached)} of its {len(placement)} answered ({', '.join(missed)} "
-                                   f"did not), {need} needed with write_quorum {self._cfg.write_quorum}")
+        if not self.listed_enough(path, where.missed):
+            raise self._unlisted(path, where.missed, "to number a new one")
         return refs, where, committed
+
+    def listed_enough(self, path: str, missed: Container[str]) -> bool:
+        """Whether a listing that the stores `missed` did not answer meets every version of `path`: a
+        version lands on write_quorum of the path's `replicas` placement stores, so the listing must
+        reach replicas - write_quorum + 1 of them (with the default write_quorum, one)."""
+        if not missed:
+            return True
+        placement = place(path_hash(path), self.pool.names, self._cfg.replicas)
+        return sum(n not in missed for n in placement) >= self._cfg.replicas - self._cfg.write_quorum + 1
+
+    def _unlisted(self, path: str, missed: Container[str], why: str) -> StoreUnavailable:
+        placement = place(path_hash(path), self.pool.names, self._cfg.replicas)
+        out = sorted(n for n in placement if n in missed)
+        return StoreUnavailable(out[0], f"cannot list the versions of {path} on enough stores {why}: "
+                                f"{len(placement) - len(out)} of its {len(placement)} answered ({', '.join(out)} did "
+                                f"not), {self._cfg.replicas - self._cfg.write_quorum + 1} needed with write_quorum "
+                                f"{self._cfg.write_quorum}")
 
     def _next(self, manifest: Manifest, refs: list[VersionRef], state: str, reason: str,
               txn: str = "") -> tuple[Manifest, VersionRef, list[str]]:

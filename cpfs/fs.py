@@ -50,10 +50,11 @@ import pyfuse3
 import trio
 
 from . import buffers, openers, plan, stats
-from .catalog import Catalog, Unreadable
+from .catalog import Catalog, Snapshot, Unreadable
 from .chunking import READ_BLOCK
 from .config import Config
-from .errors import CpfsError, Exists, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound
+from .errors import (CpfsError, Exists, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound,
+                     StoreError)
 from .manifest import (XATTR_NAME_MAX, XATTR_NAMESPACE, XATTR_SIZE_MAX, Manifest, Summary, check_xattrs,
                        parent_dirs)
 from .holds import Holds
@@ -306,12 +307,17 @@ class CpfsOperations(pyfuse3.Operations):
             self._refreshed = trio.current_time()
             self._apply(manifests, touched)
 
-    def _apply(self, manifests: dict[str, Summary | Unreadable], touched: set[str]) -> None:
-        """Make the tree match a listing of every manifest, except for files being written here and
-        paths this mount changed while the listing ran (it may predate those changes). A newer version
-        gets a new inode; handles of the old one keep reading the old version."""
+    def _apply(self, manifests: Snapshot, touched: set[str]) -> None:
+        """Make the tree match a listing of every manifest, except for files being written here,
+        paths this mount changed while the listing ran (it may predate those changes), and paths
+        whose stores did not answer (a store down hid its files: ENOENT for a checkpoint that is
+        there). A newer version gets a new inode; handles of the old one keep reading the old version."""
         def changed_here(path: str) -> bool:
             return any(path == p or path.startswith(p + "/") for p in touched)
+
+        def absent(path: str) -> bool:
+            return path not in manifests and not changed_here(path) \
+                and self.catalog.listed_enough(path, manifests.missed)
 
         files_now: list[tuple[Node, Summary]] = []
         for path, m in manifests.items():
@@ -343,7 +349,7 @@ class CpfsOperations(pyfuse3.Operations):
                 self.ns.replace(node, m)
                 self._invalidate(node.ino, parent.ino, node.name)
         gone = [(n, p) for n in list(self.ns.nodes.values()) if not n.is_dir and (n.summary is not None or n.broken)
-                and n.ino not in self.writing for p in n.names if p not in manifests and not changed_here(p)]
+                and n.ino not in self.writing for p in n.names if absent(p)]
         for node, path in gone:
             self._drop(node, path)
         # A folder removed elsewhere and a file made in its place: the file, once the folder is empty
@@ -357,8 +363,7 @@ class CpfsOperations(pyfuse3.Operations):
         emptied = {d for _, p in gone for d in parent_dirs(p)}
         folders = [n for n in self.ns.nodes.values() if n.is_dir and n.path != "/"]
         for node in sorted(folders, key=lambda n: -n.path.count("/")):
-            if (not node.children and node.path not in manifests and not changed_here(node.path)
-                    and (node.summary is not None or node.path in emptied)):
+            if not node.children and absent(node.path) and (node.summary is not None or node.path in emptied):
                 self._drop(node)
 
     def _apply_linked(self, node: Node, path: str, m: Summary | Unreadable) -> None:
@@ -407,6 +412,9 @@ class CpfsOperations(pyfuse3.Operations):
             m: Summary | Unreadable = await self.catalog.current(node.path)
         except NotFound:
             return      # removed elsewhere: what was opened stays readable; _refresh drops the name
+        except StoreError as e:
+            log.warning("%s: cannot check for a newer version, opening the one listed: %s", node.path, e)
+            return
         except ManifestError as e:
             m = Unreadable(node.path, "(current version)", str(e))
         if not _newer(m, node, self.catalog) or node.ino in self.writing or not self.ns.is_current(node):

@@ -25,7 +25,7 @@ from cpfs import chunk as chunkfmt
 from cpfs.cache import ChunkCache
 from cpfs.catalog import Catalog
 from cpfs.config import load_config
-from cpfs.errors import NotFound, StoreError
+from cpfs.errors import NotFound, StoreError, StoreUnavailable
 from cpfs.fs import CpfsOperations
 from cpfs.manifest import path_hash
 from cpfs.namespace import Namespace
@@ -772,3 +772,36 @@ async def test_an_rmdir_of_a_folder_another_mount_replaced_by_a_file_removes_not
         assert e.value.errno == errno.EISDIR
         assert (await catalog.current("/d")).size == len(b"A's file")
         assert (await catalog.current("/f")).directory
+
+
+async def test_a_file_whose_stores_cannot_be_listed_stays_shown_and_is_never_said_absent(tmp_path: Path) -> None:
+    """The stores that hold a file's manifests fail their listings (a burst of S3 503s, say) while
+    another store answers: a mount that shows the file keeps it and reads it through its next
+    listings, and a lookup that must ask the stores fails (EIO) rather than say there is no such file.
+    A file whose stores did answer and that was removed elsewhere still goes. An audit found the
+    first file dropped at the next listing: ENOENT for a checkpoint that was there."""
+    ctx = pyfuse3.RequestContext()
+    faulty: list[FaultyStore] = []
+    async with operations(tmp_path, faulty) as (ops, catalog):
+        names = [f.name for f in faulty]
+        await new_file(ops, pyfuse3.ROOT_INODE, b"ckpt.pt", b"the last good checkpoint")
+        holders = place(path_hash("/ckpt.pt"), names, 2)
+        other = next(f"/gone-{i}.pt" for i in range(100) if set(place(path_hash(f"/gone-{i}.pt"), names, 2)) != set(holders))
+        await new_file(ops, pyfuse3.ROOT_INODE, other[1:].encode(), b"removed elsewhere")
+        rules = [(f, f.refuse("list", error=StoreError)) for f in faulty if f.name in holders]
+        assert len(rules) == 2           # the third store answers: the listing as a whole succeeds
+        await Catalog(catalog.pool, writer="cc").remove(other)
+        for _ in range(2):
+            await _listed_again(ops)
+            attrs = await ops.lookup(pyfuse3.ROOT_INODE, b"ckpt.pt", ctx)
+            fh = (await ops.open(attrs.st_ino, os.O_RDONLY, ctx)).fh
+            assert bytes(await ops.read(fh, 0, 100)) == b"the last good checkpoint"
+            await ops.release(fh)
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.lookup(pyfuse3.ROOT_INODE, other[1:].encode(), ctx)
+        assert e.value.errno == errno.ENOENT
+        with pytest.raises(StoreUnavailable, match="cannot list the versions of /ckpt.pt on enough stores"):
+            await Catalog(catalog.pool, writer="cc").current("/ckpt.pt")
+        for f, rule in rules:
+            f.allow(rule)
+        assert (await Catalog(catalog.pool, writer="cc").current("/ckpt.pt")).size == 24
