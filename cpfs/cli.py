@@ -339,6 +339,7 @@ def _grace(text: str) -> float:
 def cmd_mount(config: Config, args: argparse.Namespace) -> int:
     mountpoint = Path(args.mountpoint).absolute()
     daemon.check_mountpoint(mountpoint)
+    daemon.check_mount_place(config, mountpoint)
     level = (args.log_level or config.log_level).upper()
     if args.foreground:
         daemon.setup_logging(level, args.log_file)

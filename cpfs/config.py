@@ -47,8 +47,8 @@ def parse_size(value: Any) -> int:
 
 
 def parse_duration(value: Any) -> float:
-    """'5ms' -> 0.005 seconds; plain numbers are seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+    """'5ms' -> 0.005 seconds; plain numbers are seconds (finite: a timeout of inf hung a request for good)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf:
         return float(value)
     if isinstance(value, str):
         m = re.fullmatch(_NUM + r"(us|ms|s|m|h|d)?\s*", value)
@@ -249,12 +249,32 @@ def _convert(source: str, key: str, parser: Any, value: Any) -> Any:
 
 
 def _expand(path: str) -> str:
-    """$VAR and ${VAR} from the environment; KeyError names a variable that is not set.
+    """$VAR and ${VAR} from the environment; KeyError names a variable that is not set or empty
+    (an empty one turned "$SCRATCH/cpfs" into "/cpfs", and "$STORE" into the config's own folder).
     $XDG_DATA_HOME defaults to ~/.local/share when unset or empty (as the XDG spec says)."""
-    env = dict(os.environ)
-    if not env.get("XDG_DATA_HOME"):
-        env["XDG_DATA_HOME"] = str(Path.home() / ".local" / "share")
+    env = {k: v for k, v in os.environ.items() if v}
+    env.setdefault("XDG_DATA_HOME", str(Path.home() / ".local" / "share"))
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env[m.group(1) or m.group(2)], path)
+
+
+def overlap(here: Path, there: Path, real: bool = True) -> str | None:
+    """How `here` overlaps `there`: 'is', 'is inside' or 'holds'; None if neither holds the other.
+    `real`: folders on this machine, compared by their real paths (symlinks, '..' resolved)."""
+    a, b = (Path(os.path.realpath(here)), Path(os.path.realpath(there))) if real else (here, there)
+    return "is" if a == b else "is inside" if a.is_relative_to(b) else "holds" if b.is_relative_to(a) else None
+
+
+def _where(s: StoreConfig) -> tuple[str, Path] | None:
+    """Where a store's objects live, as (namespace, path): a folder store's folder ("" namespace);
+    an object store's bucket and prefix at its endpoint, from its 'location' ("s3://BUCKET/PREFIX at
+    ENDPOINT", the endpoint normalised by its kind)."""
+    if s.path is not None:
+        return "", s.path
+    loc = s.options.get("location")
+    if loc is None:
+        return None
+    path, _, space = str(loc).partition(" at ")
+    return space, Path("/" + path.partition("://")[2])
 
 
 def _fraction(value: Any) -> float:
@@ -346,15 +366,20 @@ def parse_config(text: str, source: str, base: Path) -> Config:
     for name in names:
         if names.count(name) > 1:
             raise _fail(source, f"store {name!r}.name", "duplicate store name")
-    paths = [s.path for s in stores if s.path is not None]
-    for s in stores:
-        if s.path is not None and paths.count(s.path) > 1:
-            raise _fail(source, f"store {s.name!r}.url", f"two stores share the folder {s.path}")
-    # A kind without a folder names where its objects live ("location"): two stores there are one.
-    locations = [s.options.get("location") for s in stores]
-    for s in stores:
-        if s.options.get("location") is not None and locations.count(s.options["location"]) > 1:
-            raise _fail(source, f"store {s.name!r}.url", f"two stores share {s.options['location']}")
+    # Two stores in one place are one replica fewer than the config says (a symlink to another
+    # store's folder: scrub counted 2 good copies of a chunk stored once); one inside another lists
+    # and cleans up the other's objects as its own.
+    for i, s in enumerate(stores):
+        for t in stores[i + 1:]:
+            a, b = _where(s), _where(t)
+            how = overlap(a[1], b[1], real=not a[0]) if a and b and a[0] == b[0] else None
+            if how == "is":
+                raise _fail(source, f"store {s.name!r}.url", f"two stores share {'' if a[0] else 'the folder '}"
+                                                             f"{s.path or s.options['location']} ({t.name!r} too)")
+            if how:
+                raise _fail(source, f"store {s.name!r}.url", f"{s.path or s.options['location']} {how} "
+                                                             f"{t.path or t.options['location']} (store {t.name!r}): "
+                                                             f"stores must not nest")
     replicas = values.get("replicas", 2)
     if replicas < 1:
         raise _fail(source, "replicas", "must be at least 1")

@@ -27,7 +27,7 @@ from . import buffers
 from . import chunk as chunkfmt
 from .cache import ChunkCache
 from .catalog import Catalog
-from .config import Config, staging_dir
+from .config import Config, overlap, staging_dir
 from .errors import ConfigError, CpfsError
 from . import metrics, roster
 from .fs import CpfsOperations, mount_options
@@ -195,22 +195,22 @@ _staging_lock: int | None = None       # the marker of this daemon's folder, hel
 def check_staging_place(config: Config, staging: Path) -> None:
     """Refuse a staging folder inside a store's folder or holding one (or being one): leftovers are
     removed from it, and a store's keys are its files. ConfigError naming mount.staging and the store."""
-    here = Path(os.path.realpath(staging))
     what = f"{staging}" + ("" if config.staging is not None else " (the default)")
     for s in config.stores:
-        if s.path is None:
-            continue
-        there = Path(os.path.realpath(s.path))
-        if here == there:
-            how = "is the folder of"
-        elif here.is_relative_to(there):
-            how = "is inside the folder of"
-        elif there.is_relative_to(here):
-            how = "holds the folder of"
-        else:
-            continue
-        raise ConfigError(f"{config.source}: mount.staging: {what} {how} store {s.name!r} ({s.path}); "
-                          f"set mount.staging to a folder outside every store")
+        if s.path is not None and (how := overlap(staging, s.path)):
+            raise ConfigError(f"{config.source}: mount.staging: {what} {how} the folder of store {s.name!r} "
+                              f"({s.path}); set mount.staging to a folder outside every store")
+
+
+def check_mount_place(config: Config, mountpoint: Path) -> None:
+    """Refuse a mountpoint that is, holds or sits inside a folder store or the staging folder: the
+    daemon's own store requests went through its mount and waited on themselves until the store
+    timeout, then every operation failed EIO (an audit's find)."""
+    staging = staging_dir(config)
+    for name, folder in [*((f"store {s.name!r}", s.path) for s in config.stores if s.path is not None),
+                         ("the staging folder (mount.staging)", staging)]:
+        if how := overlap(mountpoint, folder):
+            raise MountError(f"{mountpoint}: {how} the folder of {name} ({folder}); mount elsewhere")
 
 
 def _remove_if_dead(folder: Path) -> None:

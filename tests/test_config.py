@@ -118,6 +118,11 @@ BAD = {
     "big-buffers": ('[cache]\nbuffers = "600MiB"\n' + STORES, "cache.buffers", "at most half of cache.memory"),
     "duplicate-store": (STORES + '[[store]]\nname = "a"\nurl = "c"\n', "store 'a'.name", "duplicate store name"),
     "same-folder": (STORES + '[[store]]\nname = "c"\nurl = "a/"\n', "store 'a'.url", "share the folder"),
+    "same-folder-dotdot": (STORES + '[[store]]\nname = "c"\nurl = "x/../a"\n', "store 'a'.url", "share the folder"),
+    "nested-folders": (STORES + '[[store]]\nname = "c"\nurl = "a/inner"\n', "store 'a'.url",
+                       "holds /cfg/a/inner (store 'c'): stores must not nest"),
+    "infinite-timeout": ('[store_defaults]\ntimeout = inf\n' + STORES, "store_defaults.timeout",
+                         "expected a duration"),
     "too-many-replicas": ('replicas = 3\n' + STORES, "replicas", "3 replicas need at least 3 stores, 2 configured"),
     "zero-replicas": ('replicas = 0\n' + STORES, "replicas", "at least 1"),
     "replicas-string": ('replicas = "2"\n' + STORES, "replicas", "expected an integer"),
@@ -143,6 +148,19 @@ def test_bad_config_parse(name: str) -> None:
         _parse(text)
     msg = str(e.value)
     assert msg.startswith(f"/cfg/cpfs.toml: {key}") and what in msg and "\n" not in msg, msg
+
+
+def test_two_spellings_of_one_folder_are_one_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose folder is a symlink to another's is the same store: refused, else "2 replicas"
+    were one copy (an audit saw scrub count 2 good copies of a chunk stored once, and lost it with
+    that one file). A url made of an empty variable is refused like an unset one."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    with pytest.raises(ConfigError, match="store 'a'.url: two stores share the folder"):
+        parse_config(STORES.replace('url = "b"', 'url = "link"'), "t.toml", tmp_path)
+    monkeypatch.setenv("CPFS_TEST_EMPTY", "")
+    with pytest.raises(ConfigError, match=r"store 'b'.url: \$CPFS_TEST_EMPTY is not set"):
+        parse_config(STORES.replace('url = "b"', 'url = "$CPFS_TEST_EMPTY/b"'), "t.toml", tmp_path)
 
 
 # ---- the tools: where the config comes from, and how a bad one fails ------------------------------------

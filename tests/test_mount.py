@@ -298,6 +298,15 @@ def test_mount_errors_are_one_clear_line_and_leave_nothing_mounted(imported, tmp
     r = attempt(unreachable, tmp_path / "mp")
     assert r.returncode == 2 and "'s1'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not os.path.ismount(tmp_path / "mp")
+    # On the stores: the daemon's own store requests went through its mount, waited on themselves
+    # for the store timeout, and every operation then failed EIO (an audit's find).
+    for mp in (imported.parent / "stores" / "s0", imported.parent):
+        r = attempt(imported, mp)
+        mounted = os.path.ismount(mp)
+        if mounted:                       # unmounted here, so that a failure leaves no mount behind
+            subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True)
+        assert not mounted and r.returncode == 1 and "the folder of store 's0'" in r.stderr \
+            and "mount elsewhere" in r.stderr, r.stderr
     # Busy: something is mounted there already.
     m = mount(imported)
     r = attempt(imported, m.path)

@@ -290,6 +290,16 @@ def test_s3_store_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         parse_config(_config(tmp_path, same), "t.toml", tmp_path)
     other = 'url = "s3://ckpts/a"\n[[store]]\nname = "c"\nurl = "s3://ckpts/b"\n'
     assert len(parse_config(_config(tmp_path, other), "t.toml", tmp_path).stores) == 2
+    # Other spellings of one server are one server; a prefix inside another's lists its objects.
+    for a, b in (("http://RGW:7480", "http://rgw:7480"), ("http://rgw", "http://rgw:80"),
+                 ("https://rgw/", "https://rgw:443")):
+        two = f'url = "s3://ckpts/a"\nendpoint = "{a}"\n[[store]]\nname = "c"\nurl = "s3://ckpts/a"\nendpoint = "{b}"'
+        with pytest.raises(ConfigError, match="store 'b'.url: two stores share s3://ckpts/a"):
+            parse_config(_config(tmp_path, two), "t.toml", tmp_path)
+    for a, b in (("s3://ckpts/a", "s3://ckpts/a/b"), ("s3://ckpts", "s3://ckpts/a")):
+        nested = f'url = "{a}"\n[[store]]\nname = "c"\nurl = "{b}"'
+        with pytest.raises(ConfigError, match="store 'b'.url: .* holds .* \\(store 'c'\\): stores must not nest"):
+            parse_config(_config(tmp_path, nested), "t.toml", tmp_path)
 
 
 @pytest.mark.parametrize("store, key, what", [

@@ -115,6 +115,7 @@ class S3Store(Store):
                 raise ctx.fail(key, f"${e.args[0]} is not set (in {value!r})") from None
 
         endpoint = text("endpoint")
+        server = "AWS S3"
         if endpoint is not None:
             parts = urlsplit(endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -125,15 +126,16 @@ class S3Store(Store):
             if parts.path not in ("", "/") or parts.query or parts.fragment:
                 raise ctx.fail("endpoint", f"expected http(s)://HOST[:PORT] without a path, got {endpoint!r}")
             try:
-                parts.port
+                port = parts.port or (443 if parts.scheme == "https" else 80)
             except ValueError:
                 raise ctx.fail("endpoint", f"bad port in {endpoint!r}") from None
             endpoint = endpoint.rstrip("/")
+            server = f"{parts.scheme}://{parts.hostname}:{port}"     # one spelling of one server
         region = text("region")
         if region is not None and not _REGION.fullmatch(region):
             raise ctx.fail("region", f"expected a region name such as 'us-east-1', got {region!r}")
-        # Where the objects are, for cpfs.config's check that no two stores are the same one.
-        location = f"s3://{bucket}/{prefix}".rstrip("/") + f" at {endpoint or 'AWS S3'}"
+        # Where the objects are, for cpfs.config's check that no two stores are one or nest.
+        location = f"s3://{bucket}/{prefix}".rstrip("/") + f" at {server}"
         return {"bucket": bucket, "prefix": prefix, "endpoint": endpoint, "region": region,
                 "profile": text("profile"), "location": location}
 
