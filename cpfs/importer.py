@@ -19,8 +19,8 @@ import trio
 
 from .catalog import Catalog
 from .chunking import cut, cut_points
-from .errors import CpfsError
-from .manifest import ChunkEntry, Manifest, normalize_path
+from .errors import CpfsError, IsADirectory, NotADirectory
+from .manifest import ChunkEntry, Manifest, Summary, normalize_path, parent_dirs
 from .pool import StorePool
 from .tensor_index import TensorIndex, build_index
 from .upload import Uploader, encode_span, in_parallel
@@ -117,5 +117,25 @@ class Importer:
         dest = normalize_path(dest or src.name)
         if src.is_dir():
             files = sorted(p for p in src.rglob("*") if p.is_file())
-            return [await self.put_file(p, f"{dest}/{p.relative_to(src).as_posix()}") for p in files]
-        return [await self.put_file(src, dest)]
+            pairs = [(p, f"{dest}/{p.relative_to(src).as_posix()}") for p in files]
+        else:
+            pairs = [(src, dest)]
+        await self._check_kinds([d for _, d in pairs])
+        return [await self.put_file(p, d) for p, d in pairs]
+
+    async def _check_kinds(self, dests: list[str]) -> None:
+        """Refuse a file where a folder is, or inside a file, before anything is stored: a mount shows
+        one of the two and hides the other (an audit's find: a put over a folder's name hid the folder
+        and every checkpoint in it)."""
+        existing = await self.catalog.load_all()
+
+        def is_folder(p: str) -> bool:
+            m = existing[p]
+            return isinstance(m, Summary) and m.directory
+        folders = {d for p in existing for d in parent_dirs(p)} | {p for p in existing if is_folder(p)}
+        for d in dests:
+            if d in folders:
+                raise IsADirectory(f"{d}: a folder; remove it first (cpfs rm -r) or put elsewhere; nothing was stored")
+            for parent in parent_dirs(d):
+                if parent in existing and not is_folder(parent):
+                    raise NotADirectory(f"{parent}: a file, so {d} cannot go inside it; nothing was stored")

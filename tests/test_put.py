@@ -364,6 +364,27 @@ def test_rm(tmp_path: Path, small_tree: Path) -> None:
     assert r.returncode == 1 and "no such file or folder" in r.stderr
 
 
+def test_put_over_a_folder_or_inside_a_file_is_refused_and_stores_nothing(tmp_path: Path, small_tree: Path) -> None:
+    """`put notes.txt /c/run1` where /c/run1 is a folder, or a folder under a file's name: refused with
+    one line (exit 1), the tree as it was. Both once succeeded, and a mount then showed one of the two
+    and hid the other: the folder's checkpoints gave ENOTDIR (an audit's find)."""
+    config = write_config(tmp_path / "cfg")
+    cpfs("put", str(small_tree), "/c", config=config)
+
+    def listing() -> list[str]:
+        return [cpfs("ls", p, config=config, text=True).stdout for p in ("/c", "/c/run1")]
+    before = listing()
+    r = cpfs("put", str(small_tree / "notes 1.txt"), "/c/run1", config=config, check=False, text=True)
+    assert r.returncode == 1 and r.stderr == ("cpfs: error: /c/run1: a folder; remove it first (cpfs rm -r) or put "
+                                              "elsewhere; nothing was stored\n"), r.stderr
+    r = cpfs("put", str(small_tree / "run1"), "/c/notes 1.txt", config=config, check=False, text=True)
+    assert r.returncode == 1 and "/c/notes 1.txt: a file, so /c/notes 1.txt/deep/model.safetensors cannot go " \
+        "inside it" in r.stderr, r.stderr
+    assert listing() == before
+    cpfs("put", str(small_tree / "notes 1.txt"), "/c/run1/notes.txt", config=config)     # beside them: fine
+    assert "notes.txt" in cpfs("ls", "/c/run1", config=config, text=True).stdout
+
+
 def test_cat_unavailable_chunk(tmp_path: Path) -> None:
     """When every replica of a chunk is gone, cat exits 1 with a line naming the file, the offset, the
     chunk and the stores (no traceback)."""
