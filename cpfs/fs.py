@@ -86,6 +86,12 @@ def _name(name: bytes) -> str:
     return os.fsdecode(name)
 
 
+def _reserved(parent_inode: int, name: str) -> bool:
+    """The control file's name at the root (cpfs/stats.py): lookups answer with it, so a file given
+    that name (rename, link) was there and never seen."""
+    return parent_inode == pyfuse3.ROOT_INODE and name == stats.CONTROL_NAME
+
+
 def _first_cpfs_error(e: BaseException) -> CpfsError | None:
     """The first CpfsError of an ExceptionGroup holding nothing else; None otherwise."""
     if not isinstance(e, BaseExceptionGroup):
@@ -1109,6 +1115,8 @@ class CpfsOperations(pyfuse3.Operations):
         new_name = _name(name_new)
         if not new_parent.is_dir:
             raise NotADirectory(f"{new_parent.path}: not a folder")
+        if _reserved(parent_inode_new, new_name):     # a file there would hide behind the control file
+            raise pyfuse3.FUSEError(errno.EPERM)
         target = new_parent.children.get(new_name)
         if target == node.ino:
             return                 # two names of one file: nothing to do (POSIX)
@@ -1226,7 +1234,7 @@ class CpfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         if not parent.is_dir:
             raise NotADirectory(f"{parent.path}: not a folder")
-        if name in parent.children:
+        if name in parent.children or _reserved(new_parent_inode, name):
             raise Exists(f"{posixpath.join(parent.path, name)}: exists")
         if not self.ns.is_current(node):
             raise NotFound(f"{node.path}: removed")

@@ -49,6 +49,14 @@ def test_stats_of_a_mount_count_what_a_read_did(make_config, tmp_path: Path, mou
     with pytest.raises(OSError) as e:
         open(m.path / CONTROL_NAME, "w")
     assert e.value.errno == errno.EACCES
+    # No file takes its name: one renamed or linked there hid behind it, and was never seen again.
+    (m.path / "notes.txt").write_bytes(b"kept")
+    for act, code in ((os.rename, errno.EPERM), (os.link, errno.EEXIST)):
+        with pytest.raises(OSError) as e:
+            act(m.path / "notes.txt", m.path / CONTROL_NAME)
+        assert e.value.errno == code
+    assert (m.path / "notes.txt").read_bytes() == b"kept" and "stores" in json.loads(
+        (m.path / CONTROL_NAME).read_bytes())
     human = cpfs("stats", str(m.path), config=cfg, text=True).stdout
     assert "s0" in human and "cache:" in human and "hits" in human
 
