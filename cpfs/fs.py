@@ -702,7 +702,9 @@ class CpfsOperations(pyfuse3.Operations):
         node = self.ns.node(inode)
         if node.is_dir:
             raise IsADirectory(f"{node.path}: is a folder")
-        if self.ns.is_current(node) or flags & os.O_ACCMODE != os.O_RDONLY or node.summary is None:
+        # /proc/PID/fd/N of a file unlinked (or replaced) while written: its session, as on a local disk.
+        reopened = node.ino in self.writing and not self.ns.is_current(node)
+        if not reopened and (self.ns.is_current(node) or flags & os.O_ACCMODE != os.O_RDONLY or node.summary is None):
             await self._take_newer(node)
         # else: a version replaced (a rename over it, an unlink) after the kernel looked its name up.
         # Read-only, it opens that version, as an open racing a rename does on a local filesystem;

@@ -865,3 +865,25 @@ def test_saves_by_temporary_name_and_rename_are_atomic_to_readers_and_chmods(mak
     listed = cpfs("ls", "/", config=cfg, text=True).stdout.split()
     assert "ckpt" in listed and "ckpt.tmp" not in listed, listed
     assert "unexpectedly" not in m.log.read_text()
+
+
+def test_a_file_unlinked_while_written_reopens_through_proc_fd(make_config, tmp_path, mount):
+    """A writer unlinks its scratch file and reopens it through /proc/self/fd (as tools that pass an
+    unnamed temporary file on do): the open shares the session, both handles read what either wrote,
+    and nothing is committed. The open gave ESTALE (an audit's find)."""
+    m = mount(config(make_config, tmp_path))
+    f = m.path / "scratch.bin"
+    fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"first half ")
+        os.unlink(f)
+        fd2 = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            os.pwrite(fd2, b"second half", 11)
+            assert os.pread(fd, 64, 0) == os.pread(fd2, 64, 0) == b"first half second half"
+        finally:
+            os.close(fd2)
+    finally:
+        os.close(fd)
+    time.sleep(0.6)                                         # past the mount's refresh
+    assert os.listdir(m.path) == [] and os.listdir(mount(config(make_config, tmp_path), "b").path) == []
