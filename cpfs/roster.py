@@ -139,10 +139,12 @@ async def read(pool: StorePool) -> tuple[Roster, list[str]]:
                 enrollments[key] = Enrollment.parse(key, await pool.get(name, key))
                 return
             except NoSuchObject:
-                return          # deleted since the listing (a forget): it no longer counts
+                continue        # gone from this store (a forget since the listing, or a store wiped):
+                                # another copy still counts (gc missed the enrollment and its stores)
             except (StoreError, ManifestError) as e:
                 errors.append(f"{name}: {e}")
-        problems.append(f"roster object {key} cannot be read: {'; '.join(errors)}")
+        if errors:              # else gone from every store that listed it: a forget, it no longer counts
+            problems.append(f"roster object {key} cannot be read: {'; '.join(errors)}")
 
     await fan_out(get, list(where), catch=())
     return Roster(enrollments, {k: where[k] for k in enrollments}), problems

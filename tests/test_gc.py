@@ -27,7 +27,7 @@ from cpfs import chunk as chunkfmt
 from cpfs import roster
 from cpfs.catalog import Catalog
 from cpfs.config import load_config, parse_config
-from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk, CpfsError, NotFound
+from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk, CpfsError, NoSuchObject, NotFound
 from cpfs.gc import GarbageCollector, GcReport
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest, path_hash
@@ -810,6 +810,37 @@ async def test_gc_with_a_config_that_lacks_stores_the_mounts_use_refuses(tmp_pat
         assert report.refused == "" and sum(s.deleted for s in report.stores) == 2
         with pytest.raises(ChunkUnavailable):
             await Writer(tmp_path, full, "b2").read(path)
+
+
+async def test_an_enrollment_gone_from_one_store_still_counts_from_another(tmp_path: Path) -> None:
+    """Store s0 lost its copy of a mount's enrollment (wiped, replaced) and s1 holds one: a gc with an
+    old config that knows only s0 and s1 still refuses (the mounts use s2 and s3 too). roster.read
+    stopped at the first store with no such object (an audit's find), that gc ran, and a checkpoint
+    whose manifests live on s2 and s3 lost its chunks. Gone from every store that listed it (a
+    forget), an enrollment no longer counts."""
+    full = _config(tmp_path, stores=range(4))
+    w = Writer(tmp_path, full, "a1")
+    await roster.enroll(w.pool)
+    path, data = _lost_to_a_partial_gc()
+    await w.put(path, data)
+    _age_chunks(tmp_path)
+
+    def s0_lost_it(store: Store) -> Store:
+        if store.name == "s0":
+            f = FaultyStore(store)
+            f.refuse("get", "roster/*", error=NoSuchObject)
+            return f
+        return ThrottledStore(store, latency=0.05)          # listed after s0
+    report = await _gc(_config(tmp_path, stores=range(2), name="old-cron.toml"), wrap=s0_lost_it)
+    assert "s2, s3" in report.refused and report.stores == ()
+    assert await Writer(tmp_path, full, "b2").read(path) == data
+
+    def gone(store: Store) -> Store:
+        f = FaultyStore(store)
+        f.refuse("get", "roster/*", error=NoSuchObject)
+        return f
+    listed, problems = await roster.read(_pool(full, wrap=gone))
+    assert problems == [] and listed.stores == set()
 
 
 async def test_gc_takes_the_longest_gc_grace_a_writer_enrolled(tmp_path: Path) -> None:
