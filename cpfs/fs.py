@@ -1193,6 +1193,7 @@ class CpfsOperations(pyfuse3.Operations):
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, _nlookup in inode_list:
             self.ns.forget(ino)
+            self.sched.forget(ino)
 
     @boundary
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,

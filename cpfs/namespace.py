@@ -230,8 +230,13 @@ class Namespace:
         return node.ino in self.nodes
 
     def forget(self, ino: int) -> None:
-        """The kernel dropped the inode: a retired node is gone for good (live ones keep their number)."""
+        """The kernel dropped the inode: a retired node is gone for good; a live one keeps its number and
+        lets go of its whole manifest (fetched again on its next open), which else stayed for the life of
+        the mount for every file ever opened."""
         self.retired.pop(ino, None)
+        node = self.nodes.get(ino)
+        if node is not None and not node.is_dir and node.summary is not None:
+            node.manifest, node._index = None, None
 
     def entries(self, node: Node, path: str | None = None) -> list[tuple[str, Node]]:
         """(path, node) of the node under `path` (default: its own) and of every name below it."""

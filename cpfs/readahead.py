@@ -177,6 +177,7 @@ class SchedulerStats:
     refill_queued: int = 0           # ... and waiting for the mount to be idle
     refill_skipped: int = 0          # ... and given up: the queue overflowed, the cache had no room, the
                                      # fetch failed (the reader had its bytes; only the later hits are lost)
+    feeders: int = 0                 # file versions whose pushes are tracked now (until the kernel forgets them)
     files: tuple[FileStats, ...] = ()
 
 
@@ -304,6 +305,7 @@ class Scheduler:
         self._last_read = -math.inf
         self._refilled = self._refill_skipped = 0
         self._feeders: dict[tuple[int, int], PageFeeder] = {}
+        self._gone_pushes = self._gone_drops = 0     # of feeders dropped (their counts stay in the totals)
         # inode -> the one version of the file whose pages may be pushed: the one its pages hold after
         # a write session here (WRITING while one runs); inodes never written here: any version.
         self._pushable: dict[int, int] = {}
@@ -332,8 +334,22 @@ class Scheduler:
         land on its pages, where the kernel caches the written bytes, nor any push until `written`
         (cpfs/fs.py withdraws the pushes already queued)."""
         self._pushable[inode] = WRITING
+        self._drop_feeders(inode)
+
+    def forget(self, inode: int) -> None:
+        """The kernel dropped the inode, and its pages with it: what was pushed to them, and declared
+        for them, goes too. Kept, a feeder per version ever opened held its manifest for the life of
+        the mount (megabytes per large checkpoint, one per step an evaluator loaded)."""
+        self._drop_feeders(inode)
+        for key in [k for k in self._declared if k[0] == inode]:
+            del self._declared[key]
+
+    def _drop_feeders(self, inode: int) -> None:
         for key in [k for k in self._feeders if k[0] == inode]:
-            self._feeders.pop(key).retire()
+            f = self._feeders.pop(key)
+            f.retire()
+            self._gone_pushes += f.pushes
+            self._gone_drops += f.drops
 
     def written(self, inode: int, version: int | None) -> None:
         """The session ended: the file's pages hold `version` (what it committed, or the version it
@@ -411,8 +427,8 @@ class Scheduler:
                 log.debug("refill of %s chunk %d failed: %s", manifest.path, i, e)
 
     def statistics(self) -> SchedulerStats:
-        pushed = sum(f.pushes for f in self._feeders.values())
-        drops = sum(f.drops for f in self._feeders.values())
+        pushed = self._gone_pushes + sum(f.pushes for f in self._feeders.values())
+        drops = self._gone_drops + sum(f.drops for f in self._feeders.values())
         files = tuple(r.statistics() for r in self._readers) + tuple(self._closed)
         return SchedulerStats(
             open_files=self._open, reads=self._reads, read_bytes=self._read_bytes, demand_fetches=self._demand,
@@ -422,7 +438,7 @@ class Scheduler:
             prefetch_wasted_bytes=self._wasted, kernel_drops=drops, block_fetches=self._block_fetches,
             block_bytes=self._block_bytes, part_fetches=self._part_fetches, part_bytes=self._part_bytes,
             refilled=self._refilled, refill_queued=len(self._to_refill),
-            refill_skipped=self._refill_skipped, files=files)
+            refill_skipped=self._refill_skipped, feeders=len(self._feeders), files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
                    inode: int = 0, direct: bool = False) -> "FileReader":

@@ -805,3 +805,37 @@ async def test_a_file_whose_stores_cannot_be_listed_stays_shown_and_is_never_sai
         for f, rule in rules:
             f.allow(rule)
         assert (await Catalog(catalog.pool, writer="cc").current("/ckpt.pt")).size == 24
+
+
+async def test_a_file_the_kernel_forgot_lets_go_of_its_manifest_and_pushes(tmp_path: Path) -> None:
+    """Every file version read in a mount kept a page-cache feeder, with its whole manifest, and its
+    node the whole manifest too, for the life of the mount: an evaluator loading each step's
+    checkpoint grew the daemon by megabytes per checkpoint. Once the kernel forgets an inode (its
+    pages go with it), both go, the counts of what was pushed stay, and the next open reads the same
+    bytes."""
+    ctx = pyfuse3.RequestContext()
+    data = {f"step_{i}.pt".encode(): os.urandom(3 * MiB) for i in range(4)}
+    async with operations(tmp_path, staging="staging-a") as (ops, _):
+        for name, d in data.items():
+            await new_file(ops, pyfuse3.ROOT_INODE, name, d)
+    model = PageCacheModel()
+    async with operations(tmp_path, staging="staging-b", pusher=Pusher(threads=1, notify=model.notify)) as (ops, _):
+        inos = {}
+        for name, d in data.items():
+            inos[name] = ino = (await ops.lookup(pyfuse3.ROOT_INODE, name, ctx)).st_ino
+            fh = (await ops.open(ino, os.O_RDONLY, ctx)).fh
+            for off in range(0, len(d), MiB):
+                assert await ops.read(fh, off, MiB) == d[off:off + MiB]
+            await ops.release(fh)
+        before = ops.sched.statistics()
+        assert before.feeders == 4 and all(ops.ns.node(i).manifest is not None for i in inos.values())
+        await ops.forget([(ino, 1) for ino in inos.values()])
+        after = ops.sched.statistics()
+        assert after.feeders == 0 and after.pushed == before.pushed
+        assert all(ops.ns.node(i).manifest is None for i in inos.values())
+        for name, d in data.items():
+            fh = (await ops.open(inos[name], os.O_RDONLY, ctx)).fh
+            for off in range(0, len(d), MiB):
+                assert await ops.read(fh, off, MiB) == d[off:off + MiB]
+            await ops.release(fh)
+        assert ops.sched.statistics().feeders == 4
