@@ -616,6 +616,11 @@ class Catalog:
         placement = place(path_hash(path), self.pool.names, self._cfg.replicas)
         return sum(n not in missed for n in placement) >= self._cfg.replicas - self._cfg.write_quorum + 1
 
+    def whole(self, snapshot: Snapshot) -> bool:
+        """Whether a load_all shows every path there is: the stores it missed hold fewer than
+        write_quorum copies of any version (else some path's versions may all be on them)."""
+        return len(snapshot.missed) < self._cfg.write_quorum
+
     def _unlisted(self, path: str, missed: Container[str], why: str) -> StoreUnavailable:
         placement = place(path_hash(path), self.pool.names, self._cfg.replicas)
         out = sorted(n for n in placement if n in missed)

@@ -21,7 +21,7 @@ from . import buffers, daemon, roster, stats
 from .cache import ChunkCache
 from .catalog import Catalog, Unreadable
 from .config import GC_GRACE_FLOOR, Config, load_config, parse_duration
-from .errors import ConfigError, CpfsError, NotFound
+from .errors import ConfigError, CpfsError, NotFound, StoreUnavailable
 from .holds import Holds
 from .importer import Importer
 from .manifest import Summary, normalize_path
@@ -109,6 +109,9 @@ async def cmd_ls(config: Config, args: argparse.Namespace) -> int:
     _, catalog = await _open(config)
     manifests = await catalog.load_all()
     path = "/" if args.path in (None, "", "/") else normalize_path(args.path)
+    if not catalog.whole(manifests):
+        logging.getLogger(__name__).warning("cannot list store(s) %s: files whose versions are all there are "
+                                            "not shown", ", ".join(sorted(manifests.missed)))
     m = manifests.get(path)
     if m is not None and not (isinstance(m, Summary) and m.directory):
         files, dirs = [m], []
@@ -196,8 +199,18 @@ async def cmd_cat(config: Config, args: argparse.Namespace) -> int:
 
 async def cmd_rm(config: Config, args: argparse.Namespace) -> int:
     _, catalog = await _open(config, writes=True)
-    path = normalize_path(args.path)
+    for p in await rm_targets(catalog, normalize_path(args.path), args.recursive):
+        await catalog.remove(p)
+        print(f"removed {p}")
+    return 0
+
+
+async def rm_targets(catalog: Catalog, path: str, recursive: bool) -> list[str]:
+    """What `cpfs rm [-r] PATH` removes, in order: the file, or the folder's files, deepest first,
+    then the folder. A folder (or a path not seen) whose stores could not all be listed is refused:
+    the listing may have missed files, and rm removed what it saw and said it was done."""
     manifests = await catalog.load_all()
+
     def is_dir(p: str) -> bool:
         return isinstance(manifests[p], Summary) and manifests[p].directory    # type: ignore[union-attr]
 
@@ -208,15 +221,16 @@ async def cmd_rm(config: Config, args: argparse.Namespace) -> int:
     if m is not None and not (isinstance(m, Summary) and m.directory):
         targets = [path]
     else:
+        if not catalog.whole(manifests):     # a folder's files, or the path itself, may be unlisted
+            missed = sorted(manifests.missed)
+            raise StoreUnavailable(missed[0], f"cannot list store(s) {', '.join(missed)}: {path} may hold "
+                                   f"files this listing did not see; nothing removed")
         if m is None and not below:
             raise NotFound(f"{path}: no such file or folder")
-        if below and not args.recursive:
+        if below and not recursive:
             raise CpfsError(f"{path}: is a folder (use -r)")
         targets = below + ([path] if m is not None else [])      # deepest first, the folder last
-    for p in targets:
-        await catalog.remove(p)
-        print(f"removed {p}")
-    return 0
+    return targets
 
 
 async def cmd_log(config: Config, args: argparse.Namespace) -> int:

@@ -21,10 +21,12 @@ from cpfs import chunk as chunkfmt
 from cpfs.catalog import Catalog
 from cpfs.chunking import record_cuts, tensor_boundaries
 from cpfs.config import load_config
-from cpfs.errors import CorruptChunk
+from cpfs.cli import rm_targets
+from cpfs.errors import CorruptChunk, StoreError, StoreUnavailable
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
+from cpfs.store import FaultyStore, open_store
 from cpfs.tensor_index import TensorIndex
 
 GiB = 1024**3
@@ -401,3 +403,26 @@ def test_cat_unavailable_chunk(tmp_path: Path) -> None:
     last = err.splitlines()[-1]
     assert last.startswith(f"cpfs: error: file /f.bin offset {2 * 65536} chunk 2"), err
     assert digest[:16] in last and all(f"{s}: store {s!r}: no object" in last for s in holders)
+
+
+async def test_rm_of_a_folder_whose_stores_cannot_all_be_listed_removes_nothing(tmp_path: Path,
+                                                                             small_tree: Path) -> None:
+    """With write_quorum 1 of 2 replicas, a store that cannot be listed may hold the only versions of
+    some files: `rm -r` of a folder then removes nothing and says why (it removed what it saw and
+    reported success, leaving files it never saw), and `rm` of a path it does not see does not say
+    "no such file". A file it sees goes as usual; with the store back, the folder does."""
+    config = write_config(tmp_path / "cfg", extra="write_quorum = 1")
+    cpfs("put", str(small_tree), "/c", config=config)
+    cfg = load_config(config)
+    stores = [FaultyStore(open_store(s)) for s in cfg.stores]
+    catalog = Catalog(StorePool(cfg, stores=stores))
+    rule = stores[0].refuse("list", error=StoreError)
+    with pytest.raises(StoreUnavailable, match=r"cannot list store\(s\) s0: /c may hold files .* nothing removed"):
+        await rm_targets(catalog, "/c", recursive=True)
+    with pytest.raises(StoreUnavailable, match=r"cannot list store\(s\) s0: /c/nope.pt may hold files"):
+        await rm_targets(catalog, "/c/nope.pt", recursive=False)
+    seen = await catalog.load_all()
+    assert not catalog.whole(seen) and seen.missed == {"s0"}
+    stores[0].allow(rule)
+    assert await rm_targets(catalog, "/c", recursive=True) == [
+        "/c/empty.bin", "/c/notes 1.txt", "/c/run1/deep/model.safetensors", "/c/run1/step_1.pt"]
