@@ -1010,7 +1010,7 @@ class CpfsOperations(pyfuse3.Operations):
         patterns = plan.parse_patterns(value)
         m = await self._manifest(node)
         assert self.nursery is not None
-        self.plans.start(plan.Plan.declared(self.sched, node.ino, m, node.index, patterns), self.nursery)
+        self.plans.start(await plan.Plan.declared(self.sched, node.ino, m, node.index, patterns), self.nursery)
 
     # -- names ------------------------------------------------------------------------------------
     @boundary

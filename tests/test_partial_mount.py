@@ -199,6 +199,11 @@ def test_a_loader_that_declares_its_tensors_gets_them_fetched_before_it_reads(ma
 
     assert "user.cpfs.prefetch" not in os.listxattr(path)
     assert cpfs("log", f"model.{fmt}", config=cfg).stdout == versions
+    # A declaration near the attribute's size limit reads back: its patterns shortened, not echoed
+    # whole (escaped, the echo outgrew the limit: E2BIG, an audit's find).
+    os.setxattr(path, "user.cpfs.prefetch", b"layers.2.*," + b'"' * 60_000 + b"," + b",".join(b"x%d" % i for i in range(99)))
+    shown = json.loads(os.getxattr(path, "user.cpfs.prefetch"))["patterns"]
+    assert shown[0] == "layers.2.*" and len(shown[1]) < 200 and shown[-1] == "(and 85 more)"
     os.removexattr(path, "user.cpfs.prefetch")
     for call, value, err in [(os.getxattr, None, errno.ENODATA), (os.removexattr, None, errno.ENODATA),
                              (os.setxattr, b"no.such.tensor", errno.EINVAL), (os.setxattr, b"\xff", errno.EINVAL)]:
