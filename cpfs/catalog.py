@@ -53,7 +53,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -505,17 +505,21 @@ class Catalog:
         moved, = await self.transact([dataclasses.replace(manifest, path=path)], [manifest])
         return moved
 
-    async def transact(self, writes: Sequence[Manifest], removes: Sequence[Manifest] = ()) -> list[Manifest]:
+    async def transact(self, writes: Sequence[Manifest], removes: Sequence[Manifest] = (),
+                       replacing: Mapping[str, tuple[int, str]] | None = None) -> list[Manifest]:
         """Commit `writes` and remove the paths of `removes` all at once (see the module doc): returns
         the committed versions of `writes`, in order. On failure (a StoreError, or cancellation) no
-        path has changed."""
+        path has changed. `replacing`: path -> the order of a version of it that the new one replaces
+        (a snapshot an fsync committed in the same write session): retired once the new one counts,
+        and never counted toward keep_versions."""
+        replacing = replacing or {}
         plan = [(m, "ok") for m in writes] + [(self._tomb(m), "deleted") for m in removes]
         paths = [m.path for m, _ in plan]
         if len(set(paths)) != len(paths):
             raise ValueError(f"a transaction changes each path once: {sorted(paths)}")
         if len(plan) == 1:
             m, state = plan[0]
-            return [await self._commit(m, state, "")][:len(writes)]
+            return [await self._commit(m, state, "", replacing.get(m.path))][:len(writes)]
         await self.retry_voids()
         txn = secrets.token_hex(8)
         written: list[tuple[list[str], str]] = []      # (stores, key) of the versions, to take back on failure
@@ -546,7 +550,7 @@ class Catalog:
         for new, ref, refs, where, committed in staged:
             self._took(new, ref, where[ref.key], where)
             done[new.path] = new
-            await self._retire([*refs, ref], where, committed | {txn})
+            await self._retire([*refs, ref], where, committed | {txn}, replacing.get(new.path))
         return [done[m.path] for m in writes]
 
     async def _take_back_transaction(self, txn: str, record_stores: list[str],
@@ -648,7 +652,8 @@ class Catalog:
         self._summaries[ref.key] = new.summary
         where[ref.key] = held
 
-    async def _commit(self, manifest: Manifest, state: str, reason: str) -> Manifest:
+    async def _commit(self, manifest: Manifest, state: str, reason: str,
+                      replacing: tuple[int, str] | None = None) -> Manifest:
         await self.retry_voids()
         refs, where, committed = await self._listed_refs(manifest.path)
         new, ref, targets = self._next(manifest, refs, state, reason)
@@ -660,7 +665,7 @@ class Catalog:
                 await self._take_back_version(new, ref, targets, e)
             raise
         self._took(new, ref, held, where)
-        await self._retire([*refs, ref], where, committed)
+        await self._retire([*refs, ref], where, committed, replacing)
         return new
 
     async def _take_back_version(self, new: Manifest, ref: VersionRef, targets: list[str],
@@ -729,11 +734,13 @@ class Catalog:
             except Exception:                 # a bug here must not end the mount; the next round tries again
                 log.exception("trying again to void failed commits")
 
-    async def _retire(self, refs: list[VersionRef], where: Listing, committed: Container[str]) -> None:
-        """Delete versions beyond keep_versions (see the module doc), and copies their twin voids. Best
-        effort: a leftover old version is only clutter, never current. A failed version is deleted only
-        after a listing of every store: it may be the twin of a copy on a store this one missed, which
-        would count again."""
+    async def _retire(self, refs: list[VersionRef], where: Listing, committed: Container[str],
+                      replacing: tuple[int, str] | None = None) -> None:
+        """Delete versions beyond keep_versions (see the module doc), and copies their twin voids, and
+        the version `replacing` names (an fsync's snapshot the new version replaces: counted, ten fsyncs
+        of a log retired the last whole version before them). Best effort: a leftover old version is
+        only clutter, never current. A failed version is deleted only after a listing of every store:
+        it may be the twin of a copy on a store this one missed, which would count again."""
         keep = self._cfg.keep_versions
         ok = failed = 0
         void = voided(refs)
@@ -741,7 +748,10 @@ class Catalog:
         twins = {r.order for r in doomed}
         # A transaction's version that does not count yet may be one still committing: never retired.
         for r in sorted(counted(refs, committed), key=lambda r: r.order, reverse=True):
-            if ok >= keep or (r.state == "failed" and failed >= keep):
+            if r.order == replacing and r.state == "ok":
+                if r.order not in twins:
+                    doomed.append(r)
+            elif ok >= keep or (r.state == "failed" and failed >= keep):
                 if r.order not in twins and (r.state != "failed" or where.complete):
                     doomed.append(r)            # a twin stays while the copy it voids may be listed
             elif r.state == "ok":

@@ -151,6 +151,7 @@ class Handle:
     direct: bool = False                 # opened O_DIRECT: the kernel caches no read of it
     hold: Hashable | None = None         # the hold on the reader's version (cpfs/holds.py)
     opener: int = 0                      # the thread that opened a writable handle (cpfs/openers.py)
+    changed: bool = False                # a write or a truncate came through it (or it was opened O_TRUNC)
     # Taken to open a reader for the version the node shows: two reads at once (the kernel's readahead)
     # would each open one, and the reader of the first, replaced, was never closed (its task and pins).
     reopening: trio.Lock = field(default_factory=trio.Lock)
@@ -714,7 +715,8 @@ class CpfsOperations(pyfuse3.Operations):
         direct = bool(flags & os.O_DIRECT)       # the kernel caches no read of this open
         if flags & os.O_ACCMODE != os.O_RDONLY:
             await self._session(node, truncate=bool(flags & os.O_TRUNC))
-            fh = self._new_handle(Handle(node, writable=True, direct=direct, opener=ctx.pid))
+            fh = self._new_handle(Handle(node, writable=True, direct=direct, opener=ctx.pid,
+                                         changed=bool(flags & os.O_TRUNC)))
             return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=True)
         if node.ino in self.writing or node.summary is None:
             return pyfuse3.FileInfo(fh=self._new_handle(Handle(node, direct=direct)), keep_cache=True)
@@ -786,12 +788,13 @@ class CpfsOperations(pyfuse3.Operations):
             raise
         w.session.set_attributes(**self._owner(parent, ctx))
         self._entries_changed(parent)
-        fh = self._new_handle(Handle(node, writable=True, opener=ctx.pid))
+        fh = self._new_handle(Handle(node, writable=True, opener=ctx.pid, changed=True))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self.attributes(node)
 
     @boundary
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.handles[fh]
+        h.changed = True
         return await self.writing[h.node.ino].session.write(off, buf)
 
     async def _commit(self, node: Node, closing: bool = True) -> None:
@@ -827,7 +830,11 @@ class CpfsOperations(pyfuse3.Operations):
         (its exit, an exec's closing of descriptors) or a dup's (cpfs/openers.py)."""
         h = self.handles[fh]
         if h.writable:
-            if await self._writer_holds(h):
+            # A handle that changed nothing, while another writes on: a bystander's close (`touch` of a
+            # checkpoint being saved) committed the saver's half-written file (EIO for a checkpoint, a
+            # version of partial bytes of any other file, which retired a good one).
+            if (not h.changed and any(o.writable and o.node is h.node and o is not h for o in self.handles.values())) \
+                    or await self._writer_holds(h):
                 self._closes_not_last += 1
                 return
             await self._commit(h.node)
@@ -885,6 +892,8 @@ class CpfsOperations(pyfuse3.Operations):
             if node.is_dir:
                 raise IsADirectory(f"{node.path}: is a folder")
             changes.setdefault("mtime_ns", time.time_ns())
+            if fh is not None and fh in self.handles:
+                self.handles[fh].changed = True            # ftruncate: its close commits
             # A use of the file's session while we truncate: of its own for a closed file, committed
             # as we leave it; else the open one's, whose close commits (as it does if it closes first).
             w = await self._session(node, truncate=attr.st_size == 0, explicit=True)

@@ -81,6 +81,7 @@ Span = tuple[int, int]  # (offset, length)
 _MAX_AHEAD = 1024                  # written ranges remembered beyond the contiguous frontier
 _IO_THREADS = 4                    # default staging I/O limiter of a session
 ROOM_WAIT = 60.0                   # seconds a write waits for one write-behind step on a full staging disk
+STREAM_RETRIES = 5                 # write-behind failures in a row retried (after 0.5, 1, 2, 4, 8 s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +188,9 @@ class WriteSession:
         self._mod = 0                         # bumped by every change
         self._committed: Manifest | None = base
         self._committed_mod = 0 if base else -1
+        # path -> the version an fsync committed last, while it is the session's last commit: a snapshot
+        # the next commit replaces, so that a writer's fsyncs do not retire the versions before it.
+        self._snapshot: dict[str, tuple[int, str]] = {}
         self._poisoned: tuple[str, int] | None = None   # why and errno: a write or truncate failed
         self._refused: tuple[int, str] | None = None    # (mod, message) last recorded as a failed version
         self._clean: dict[Span, tuple[ChunkEntry, bool]] = {}
@@ -221,6 +225,8 @@ class WriteSession:
         self._idle = _Signal()                # fires when one of them ends
         self._paused = 0
         self._stream_error: Exception | None = None
+        self._stream_failures = 0             # write-behind uploads that failed in a row
+        self._retry_pending = False           # ... and write-behind resumes after a pause (_stream_upload)
         self._wake = _Signal()
         self._pump_scope = trio.CancelScope()
         self._pump_done = trio.Event()
@@ -298,8 +304,10 @@ class WriteSession:
         """Whether write-behind may still free staging room for a write that found it full: a span is
         being stored or scanned, one is ready to store, or stored ones are ready to drop. Not when the
         file is not written in order (nothing is stored before flush) or staging cannot punch holes."""
-        if not (self._streaming and self._can_drop) or self._stream_error is not None:
+        if not (self._streaming and self._can_drop):
             return False
+        if self._stream_error is not None:
+            return self._retry_pending
         scanner = self._scanner
         return bool(self._background or self._ready_span() is not None
                     or (self._droppable and sum(self._droppable[0]) <= scanner.settled_upto)
@@ -675,17 +683,23 @@ class WriteSession:
         uploads.start_soon(self._stream_upload, span, flight, token)
 
     async def _stream_upload(self, span: Span, flight: _Flight, token: object) -> None:
+        failed: Exception | None = None
         try:
             entry = await self._store_span(*span)
         except Exception as e:
             if not (flight.stale or self._file.closed):
+                if not self._retry_pending:          # uploads failing together are one failure
+                    self._stream_failures += 1
+                again = isinstance(e, CpfsError) and self._stream_failures <= STREAM_RETRIES
                 if isinstance(e, CpfsError):
-                    log.warning("%s: write-behind of bytes %d+%d failed, flush will retry: %s",
-                                self.path, span[0], span[1], e)
+                    log.warning("%s: write-behind of bytes %d+%d failed, %s: %s", self.path, span[0], span[1],
+                                "retried shortly" if again else "flush will retry", e)
                 else:
                     log.exception("%s: write-behind of bytes %d+%d failed", self.path, *span)
-                self._stream_error = e
+                self._stream_error, self._retry_pending = e, again
+                failed = e if again else None
         else:
+            self._stream_failures = 0
             if flight.stale:
                 self._discarded += 1
             else:
@@ -699,6 +713,17 @@ class WriteSession:
             self._slots.release_on_behalf_of(token)
             self._background -= 1
             self._idle.fire()
+            self._room.fire()
+        if failed is not None:
+            # A store refused one put, or was down a moment: write-behind resumes after a pause. Latched
+            # until flush, one failure made a save larger than the staging disk fail with ENOSPC at
+            # once, the store back or not (an audit's find). A write waits meanwhile (ROOM_WAIT).
+            await trio.sleep(0.5 * 2 ** (self._stream_failures - 1))
+            if self._stream_error is failed:
+                self._stream_error, self._retry_pending = None, False
+            if not flight.stale and span not in self._clean:
+                self._next_cut = min(self._next_cut, span[0])     # that span again: else it stayed in staging
+            self._wake.fire()
             self._room.fire()
 
     async def _drop_settled(self) -> None:
@@ -819,6 +844,12 @@ class WriteSession:
             async with self._slots:
                 entries[i] = entry = await self._store_span(*spans[i])
             self._add_clean(spans[i], entry, pending=True)  # a retry after a failure reuses it
+            # Stored by a flush (an fsync mid-save): droppable from staging like a streamed span, else
+            # a saver that fsyncs as it goes kept the whole file in staging (ENOSPC on a small disk).
+            if self._can_drop and self._streaming:
+                k = bisect.bisect_left(self._droppable, spans[i])
+                if k == len(self._droppable) or self._droppable[k] != spans[i]:
+                    self._droppable.insert(k, spans[i])
 
         await in_parallel(store, todo, self._cfg.fetch_concurrency)
         return [e for e in entries if e is not None]
@@ -852,8 +883,11 @@ class WriteSession:
                             **{"ctime_ns": time.time_ns(), **self.attributes})  # type: ignore[arg-type]
         if reason is not None:
             return await self._refuse(manifest, mod, reason, closing)
-        # One transaction: every name of the file (hard links) shows the new version, or none does.
-        manifest = (await self._catalog.transact(manifest.at([self.path, *self.also])))[0]
+        # One transaction: every name of the file (hard links) shows the new version, or none does. It
+        # replaces the snapshot the last fsync committed, if that was the session's last commit.
+        committed = await self._catalog.transact(manifest.at([self.path, *self.also]), replacing=self._snapshot)
+        self._snapshot = {} if closing else {m.path: m.order for m in committed}
+        manifest = committed[0]
         self._uploader.settled(e.digest for e in entries)
         layout = set(spans)  # uploads outside it: overwritten, or the final layout cut differently
         self._discarded += sum(1 for key, (_, pending) in self._clean.items() if pending and key not in layout)

@@ -24,8 +24,13 @@ import safetensors.torch
 import torch
 import trio
 
+from conftest import write_config
+from cpfs.catalog import Catalog
 from cpfs.completeness import incomplete_reason
+from cpfs.config import load_config
 from cpfs.errors import ChunkUnavailable, IncompleteFile, NotFound, WriteFailed
+from cpfs.pool import StorePool
+from cpfs.store import FaultyStore, open_store
 from cpfs.tensor_index import build_index
 from cpfs.writer import StagingError
 from test_write_mount import assert_same, config, expected_of_save, rand_bytes, wait_for
@@ -177,6 +182,60 @@ async def test_a_writer_faster_than_write_behind_waits_for_staging_room(tmp_path
     assert (await env.catalog.get("/ckpt.pt")).version == m.version
 
 
+async def _faulty_env(folder: Path, **kw) -> tuple[Env, list[FaultyStore]]:
+    config = load_config(write_config(folder, **kw))
+    stores = [FaultyStore(open_store(s)) for s in config.stores]
+    pool = StorePool(config, stores=stores)
+    await pool.check()
+    return Env(config, pool, Catalog(pool), folder / "staging", folder / "stores"), stores
+
+
+async def test_stores_that_refuse_puts_a_moment_mid_save_do_not_stop_write_behind(tmp_path: Path, tmpfs) -> None:
+    """Every store refuses chunk puts for 0.3 s in the middle of a save four times the staging disk,
+    once the disk has filled: write-behind tries again after a pause (the failed spans too), the writes
+    wait meanwhile, and the file commits whole. One failed upload stopped write-behind until the close,
+    and the next write that found staging full failed with ENOSPC (an audit's find)."""
+    env, stores = await _faulty_env(tmp_path / "cpfs", store_extra='bandwidth = "24MiB/s"')
+    env = dataclasses.replace(env, staging=tmpfs(tmp_path / "small", 4 * MiB))
+    blob = torch_bytes({f"t{i}": torch.randn(196_608, generator=torch.Generator().manual_seed(i)) for i in range(24)})
+    async with open_session(env, "/ckpt.pt") as s:
+        async def outage() -> None:
+            while s.statistics().room_waits == 0:
+                await trio.sleep(0.005)
+            rules = [(f, f.refuse("put", "chunks/*")) for f in stores]
+            await trio.sleep(0.3)
+            for f, rule in rules:
+                f.allow(rule)
+        async with trio.open_nursery() as n:
+            n.start_soon(outage)
+            for off in range(0, len(blob), 256 * 1024):
+                await s.write(off, blob[off:off + 256 * 1024])
+        m = await s.flush()
+        st = s.statistics()
+    assert sum(f.statistics().ruled for f in stores) > 0 and st.chunks_dropped > 0, st
+    assert m is not None and await stored_bytes(env.pool, m) == blob
+
+
+@pytest.mark.parametrize("every", [4, 2])
+async def test_a_saver_that_fsyncs_as_it_goes_needs_no_more_staging_than_one_that_does_not(
+        tmp_path: Path, tmpfs, every: int) -> None:
+    """An fsync every `every` writes of 256 KiB while a checkpoint four times the staging disk is saved:
+    the chunks a flush stored leave staging as write-behind's do, and the file commits whole. They
+    stayed, and the save failed with ENOSPC at 14 of 18 MiB (an audit's find)."""
+    env = await make_env(tmp_path / "cpfs", store_extra='bandwidth = "24MiB/s"')
+    env = dataclasses.replace(env, staging=tmpfs(tmp_path / "small", 4 * MiB))
+    blob = torch_bytes({f"t{i}": torch.randn(196_608, generator=torch.Generator().manual_seed(i)) for i in range(24)})
+    async with open_session(env, "/ckpt.pt") as s:
+        for i, off in enumerate(range(0, len(blob), 256 * 1024)):
+            await s.write(off, blob[off:off + 256 * 1024])
+            if i % every == every - 1:
+                assert await s.flush(closing=False) is None        # incomplete: stored, not committed
+        m = await s.flush()
+        st = s.statistics()
+    assert st.chunks_dropped > 0, st
+    assert m is not None and await stored_bytes(env.pool, m) == blob
+
+
 async def test_a_full_staging_disk_that_write_behind_cannot_free_still_fails_the_write(tmp_path: Path,
                                                                                       tmpfs) -> None:
     """One record larger than the staging disk: nothing inside it can drop before the record ends, so
@@ -319,7 +378,8 @@ async def test_fsync_of_a_half_written_zip_stores_chunks_and_commits_nothing(env
 
 
 async def test_a_plain_file_cut_short_still_commits(env: Env) -> None:
-    """POSIX for everything that is not a checkpoint: what was written is the file, at fsync and close."""
+    """POSIX for everything that is not a checkpoint: what was written is the file, at fsync and close.
+    The close's version replaces the fsync's in the history; the version before the session stays."""
     v1 = await commit_bytes(env, "/logs/train.log", b"step 1 loss 2.0\n" * 100_000)
     new = b"step 2 loss 1.5\n" * 200_000
     async with open_session(env, "/logs/train.log") as s:
@@ -330,8 +390,8 @@ async def test_a_plain_file_cut_short_still_commits(env: Env) -> None:
         m = await s.flush()
     assert (await env.catalog.get("/logs/train.log")).version == m.version > synced.version > v1.version
     assert await stored_bytes(env.pool, m) == new[:MiB + 1000]
-    assert [(i.ref.state, i.current) for i in await env.catalog.history("/logs/train.log")] == \
-           [("ok", True), ("ok", False), ("ok", False)]
+    assert [(i.ref.version, i.ref.state, i.current) for i in await env.catalog.history("/logs/train.log")] == \
+           [(m.version, "ok", True), (v1.version, "ok", False)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -535,6 +595,41 @@ def test_a_plain_file_cut_short_by_a_killed_writer_commits(make_config, tmp_path
     assert [(r["state"], r["current"], r["size"]) for r in rows] == [("ok", True, 5 * MiB), ("ok", False, 6 * MiB)]
     want = rand_bytes(12 * MiB, 2)[:5 * MiB]
     assert (m.path / "data.bin").read_bytes() == want
+    assert cpfs("cat", "data.bin", "--version", str(rows[1]["version"]), config=cfg).stdout == old
+
+
+FSYNCING_WRITER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_TRUNC)
+for i in range(10):
+    os.write(fd, bytes([65 + i]) * 100_000)
+    os.fsync(fd)                      # a careful writer: durable as it goes
+print("half", flush=True)
+time.sleep(60)                        # killed here, mid-save
+"""
+
+
+@pytest.mark.mount
+def test_a_plain_file_fsynced_as_it_goes_keeps_the_version_before_its_save(make_config, tmp_path, mount) -> None:
+    """Ten fsyncs of a plain file, then the writer is killed: the history still holds the whole version
+    before the save, and what the last fsync made is current. Each fsync was a version that counted
+    toward keep_versions, so the third retired the version before the save (an audit's find): now
+    each fsync's version replaces the one before it in the same session."""
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    old = rand_bytes(3_000_000, 1)
+    (m.path / "data.bin").write_bytes(old)
+    w = subprocess.Popen([sys.executable, "-c", FSYNCING_WRITER, str(m.path / "data.bin")], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert w.stdout.readline().strip() == "half"
+    finally:
+        w.kill()
+        w.wait()
+    want = b"".join(bytes([65 + i]) * 100_000 for i in range(10))
+    assert wait_for(lambda: (m.path / "data.bin").read_bytes() == want, timeout=30)
+    rows = log(cfg, "data.bin")
+    assert [(r["state"], r["current"], r["size"]) for r in rows] == [("ok", True, len(want)), ("ok", False, len(old))]
     assert cpfs("cat", "data.bin", "--version", str(rows[1]["version"]), config=cfg).stdout == old
 
 

@@ -117,6 +117,36 @@ def test_a_checkpoint_saved_while_the_saver_forks_commits_once_at_its_close(make
 
 
 @pytest.mark.mount
+@pytest.mark.parametrize("kind", ["checkpoint", "plain"])
+def test_another_process_that_opens_a_file_being_saved_and_changes_nothing_commits_nothing(
+        make_config, tmp_path: Path, mount, kind: str) -> None:
+    """`touch ckpt.pt` (an open for writing, a utimensat, a close) and an open for writing closed
+    unwritten, from other processes while a save is half done: both succeed, commit nothing, and the
+    save's close makes one version. Each committed the saver's half-written file (an audit's find):
+    touch failed with EIO and left a failed version for a checkpoint; for any other file the partial
+    bytes were a version, which retired a good one."""
+    torch = pytest.importorskip("torch")
+    cfg = _config(make_config, tmp_path, keep=2)
+    buf = io.BytesIO()
+    torch.save({"w": torch.randn(300_000)}, buf)
+    data = buf.getvalue() if kind == "checkpoint" else np.random.default_rng(3).bytes(3 * MiB)
+    name = "ckpt.pt" if kind == "checkpoint" else "state.bin"
+    (tmp_path / "v1.bin").write_bytes(b"the last good version" * 100)
+    cpfs("put", str(tmp_path / "v1.bin"), f"/{name}", config=cfg)
+    m = mount(cfg)
+    with open(m.path / name, "wb") as f:
+        f.write(data[:len(data) // 2])
+        f.flush()
+        assert subprocess.run(["touch", str(m.path / name)], capture_output=True, text=True).returncode == 0
+        subprocess.run([sys.executable, "-c", f"open({str(m.path / name)!r}, 'r+b').close()"], check=True)
+        assert _log(cfg, f"/{name}") == [(1, "ok")]
+        f.write(data[len(data) // 2:])
+    assert _log(cfg, f"/{name}") == [(2, "ok"), (1, "ok")]
+    assert (m.path / name).read_bytes() == data
+    assert cpfs("cat", f"/{name}", "--version", "1", config=cfg).stdout == b"the last good version" * 100
+
+
+@pytest.mark.mount
 def test_forks_during_a_save_of_a_plain_file_keep_its_last_good_version(make_config, tmp_path: Path, mount) -> None:
     """Bytes of no checkpoint format, keep_versions = 2, three forks during the save: before, each
     fork's close committed the bytes written so far as a version, and the last good version was retired
