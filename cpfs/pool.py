@@ -948,10 +948,11 @@ class StorePool:
         tensors, a tensor of a few hundred KiB): the chunks a store holds are read from it in one batch
         request (`Store.get_many_with`: for a folder store, one worker thread hand-off instead of one,
         plus a task, a nursery and a channel, per chunk); the store is the best-ranked one that holds
-        the most of them. A batch is not hedged: it is as big as one large chunk, whose read is not
-        hedged either when it only queues. Whatever a batch does not bring (a missing or corrupt
+        the most of them. A batch is not hedged while it runs: it is as big as one large chunk, whose read
+        is not hedged either when it only queues. Whatever a batch does not bring (a missing or corrupt
         replica, a store that fails) and a chunk alone in its batch go through `fetch_chunk`: replicas,
-        hedges and read repair as for any read."""
+        hedges and read repair as for any read. A batch that takes longer than a read would wait before
+        hedging is given up for the same."""
         results: list[bytes | memoryview | Exception | None] = [None] * len(entries)
         damaged: dict[int, list[str]] = {}      # k -> stores the batch found without a good copy of it
         left = [k for k, e in enumerate(entries) if e.stores]
@@ -972,9 +973,17 @@ class StorePool:
             self._reads += len(ks)
             self._batch_reads += 1
             self._batched += len(ks)
+            # Given up once slower than a read would wait before hedging (hedge_max at least: a batch
+            # is as big as a large chunk): its chunks then go through fetch_chunk, which hedges. A store
+            # that began to hang held a batch, and every demand read that joined it, for its whole
+            # timeout (an audit's find: 8 s with an 8 s timeout, 30 s by default).
+            patience = max(self._patience(name, self._queue_wait(name)), self.config.hedge_max)
             try:
-                answers = await self._call(name, f"get {len(ks)} chunks",
-                                           lambda s: s.get_many_with(reads, self.cpu))
+                with trio.move_on_after(patience) as waited:
+                    answers = await self._call(name, f"get {len(ks)} chunks",
+                                               lambda s: s.get_many_with(reads, self.cpu))
+                if waited.cancelled_caught:
+                    raise StoreUnavailable(name, f"no answer within {patience:.3f}s")
             except StoreError as e:
                 log.warning("%s and %d more: batch read on store %r failed: %s", wheres[ks[0]], len(ks) - 1, name, e)
                 return

@@ -259,3 +259,17 @@ async def test_a_read_on_a_silent_store_is_hedged_at_hedge_max_whatever_the_budg
     assert s.hedges_won >= 1 and s.hedges_over_budget >= 1, s
     assert spent.statistics().tokens == 0.0                  # none of those hedges was paid for
     assert took <= 20 * 0.5 + 1, took                        # at most hedge_max per read
+
+
+async def test_a_batch_on_a_store_that_begins_to_hang_gives_up_as_a_hedge_would(clock) -> None:
+    """s0 begins to hang (a hung NFS server, a black-holed link) after serving reads: a batch of small
+    prefetches on it is given up after about hedge_max and its chunks are read from s1, as a single
+    chunk's read is. It waited for the store's timeout (30 s here), and every demand read that joined
+    its fetches with it (an audit's find)."""
+    pool, entries, payloads, stores = setup_stores(slow_latency=0.005, chunks=40)
+    await load(pool, entries[:20], payloads[:20])
+    stores[0].hang = True
+    t0 = trio.current_time()
+    assert await pool.fetch_chunks(entries[20:40], [f"/f chunk {k}" for k in range(20, 40)]) == payloads[20:40]
+    assert trio.current_time() - t0 < 1.0
+    assert stores[0].statistics().hung >= 1            # the batch did go to s0 and hang there
