@@ -854,9 +854,11 @@ class CpfsOperations(pyfuse3.Operations):
 
     @boundary
     async def fsync(self, fh: int, datasync: bool) -> None:
-        """Durable data, but not a commit of a checkpoint still being written (see WriteSession.flush)."""
+        """Durable data, but not a commit of a checkpoint still being written (see WriteSession.flush).
+        Through any descriptor of the file, as on a local disk: a read-only one's fsync made nothing
+        that another handle wrote durable."""
         h = self.handles[fh]
-        if h.writable:
+        if h.writable or h.node.ino in self.writing:
             await self._commit(h.node, closing=False)
 
     @boundary

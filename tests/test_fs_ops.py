@@ -839,3 +839,21 @@ async def test_a_file_the_kernel_forgot_lets_go_of_its_manifest_and_pushes(tmp_p
                 assert await ops.read(fh, off, MiB) == d[off:off + MiB]
             await ops.release(fh)
         assert ops.sched.statistics().feeders == 4
+
+
+async def test_an_fsync_through_a_read_only_descriptor_makes_the_writers_bytes_durable(tmp_path: Path) -> None:
+    """fsync(2) of any descriptor of a file flushes the file, as on a local disk: a plain file being
+    written through one handle is committed by an fsync through a read-only one (the writer still
+    writing). It returned success and made nothing durable (an audit's find)."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path) as (ops, catalog):
+        ino = (await new_file(ops, pyfuse3.ROOT_INODE, b"log.txt", b"line 1\n")).st_ino
+        wh = (await ops.open(ino, os.O_WRONLY | os.O_APPEND, ctx)).fh
+        assert await ops.write(wh, 7, b"line 2\n") == 7
+        rh = (await ops.open(ino, os.O_RDONLY, ctx)).fh
+        await ops.fsync(rh, False)
+        assert (await catalog.current("/log.txt")).size == 14
+        await ops.release(rh)
+        await ops.flush(wh)
+        await ops.release(wh)
+        assert (await catalog.current("/log.txt")).size == 14
