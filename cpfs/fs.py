@@ -833,8 +833,8 @@ class CpfsOperations(pyfuse3.Operations):
             # A handle that changed nothing, while another writes on: a bystander's close (`touch` of a
             # checkpoint being saved) committed the saver's half-written file (EIO for a checkpoint, a
             # version of partial bytes of any other file, which retired a good one).
-            if (not h.changed and any(o.writable and o.node is h.node and o is not h for o in self.handles.values())) \
-                    or await self._writer_holds(h):
+            others = any(o.writable and o.node is h.node and o is not h for o in self.handles.values())
+            if (not h.changed and others) or await self._writer_holds(h):
                 self._closes_not_last += 1
                 return
             await self._commit(h.node)

@@ -57,6 +57,7 @@ XATTR = "user.cpfs.prefetch"
 STALE = 1.0        # seconds: a plan set again pushes again what went to the kernel this long ago (Plan.run)
 KEPT = 64          # finished plans whose figures stay readable (the attribute, `cpfs stats`)
 THREAD_PATTERNS = 64   # a declaration of more names than this is matched in a worker thread
+_GLOB = re.compile(r"[*?\[]")
 
 
 class PlanError(CpfsError):
@@ -92,9 +93,6 @@ def matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
     return match
 
 
-_GLOB = re.compile(r"[*?\[]")
-
-
 def shown(patterns: tuple[str, ...], most: int = 16, width: int = 120) -> list[str]:
     """The patterns as figures and log lines show them: the first `most`, each cut at `width`, and how
     many more."""
@@ -110,7 +108,7 @@ def chunks_for(manifest: Manifest, index: TensorIndex | None, patterns: tuple[st
     match = matcher(patterns)
     matched = [t for t in index.tensors if match(t.name)]
     if not matched:
-        raise PlanError(f"{manifest.path}: no tensor matches {', '.join(patterns)}")
+        raise PlanError(f"{manifest.path}: no tensor matches {', '.join(shown(patterns))}")
     layout = layout_for(manifest, index)
     wanted: set[int] = set(layout.head)
     if index.format == "torch-zip":
@@ -232,7 +230,8 @@ class Plan:
             s = self.statistics()
             log.info("%s: %s prefetch (%s) %s: %d tensors, %d of %d chunks fetched (%.1f MiB), %d already "
                      "with the kernel, %d pushed again, %d failed, %.2f s", self.m.path,
-                     "learned" if self.learned_from else "declared", self.learned_from or ", ".join(shown(self.patterns)),
+                     "learned" if self.learned_from else "declared",
+                     self.learned_from or ", ".join(shown(self.patterns)),
                      "cancelled" if self.scope.cancelled_caught else "done", s.tensors, s.fetched_chunks,
                      s.chunks, s.fetched_bytes / 2**20, s.in_kernel_chunks, s.pushed_again_chunks, s.failed_chunks,
                      s.seconds)
