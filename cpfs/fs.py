@@ -833,11 +833,14 @@ class CpfsOperations(pyfuse3.Operations):
             # A handle that changed nothing, while another writes on: a bystander's close (`touch` of a
             # checkpoint being saved) committed the saver's half-written file (EIO for a checkpoint, a
             # version of partial bytes of any other file, which retired a good one).
-            others = any(o.writable and o.node is h.node and o is not h for o in self.handles.values())
-            if (not h.changed and others) or await self._writer_holds(h):
+            if (not h.changed and self._another_writes(h)) or await self._writer_holds(h):
                 self._closes_not_last += 1
                 return
             await self._commit(h.node)
+
+    def _another_writes(self, h: Handle) -> bool:
+        """Whether another writable handle of h's file is open (in this mount)."""
+        return any(o.writable and o.node is h.node and o is not h for o in self.handles.values())
 
     async def _writer_holds(self, h: Handle) -> bool:
         """Whether the process that opened `h` still has the file open for writing (so this close is
