@@ -517,6 +517,7 @@ class Catalog:
         paths = [m.path for m, _ in plan]
         if len(set(paths)) != len(paths):
             raise ValueError(f"a transaction changes each path once: {sorted(paths)}")
+        await self._renew_moved(writes)
         if len(plan) == 1:
             m, state = plan[0]
             return [await self._commit(m, state, "", replacing.get(m.path))][:len(writes)]
@@ -576,16 +577,39 @@ class Catalog:
         await self._renew(old)
         return await self.commit(dataclasses.replace(old, reason=""))
 
+    async def _renew_moved(self, writes: Sequence[Manifest]) -> None:
+        """Touch the chunks of versions a rename or link moves that were committed more than gc_grace/4
+        ago: the new version names them without storing them, and a gc that listed the new path before
+        the rename landed and the old one after it saw neither, and deleted them (an audit's find). A
+        commit of written bytes (committed_ns 0: never committed) renews what it reuses itself (the
+        write session). A version committed since is young enough: its chunks were stored or renewed
+        at its commit, at most gc_grace/2 before it."""
+        now = self._clock()
+        moved = {c.digest: (m, c) for m in writes if m.committed_ns
+                 and now - m.committed_ns > self._cfg.gc_grace * 1e9 / 4 for c in m.chunks}
+        if not moved:
+            return
+
+        async def one(item: tuple[Manifest, ChunkEntry]) -> None:
+            m, c = item
+            if not await self._renew_chunk(c):
+                log.warning("%s: chunk %s has no copy left to renew; the version moves as it is", m.path,
+                            c.digest[:16])
+        await in_parallel(one, list(moved.values()), self._cfg.fetch_concurrency)
+
+    async def _renew_chunk(self, c: ChunkEntry) -> bool:
+        """Touch a copy of the chunk, on the stores its entry names, else on its placement; whether one was."""
+        if (await self.pool.renew(c.digest, c.stores))[0]:
+            return True
+        others = [n for n in place(c.digest, self.pool.names, self._cfg.replicas) if n not in c.stores]
+        return bool(others) and (await self.pool.renew(c.digest, others))[0]
+
     async def _renew(self, m: Manifest) -> None:
-        """Touch a copy of every chunk of `m` (on the stores it names, else on its placement);
-        ChunkUnavailable if a chunk has none left."""
+        """Touch a copy of every chunk of `m`; ChunkUnavailable if a chunk has none left."""
         async def one(c: ChunkEntry) -> None:
-            if (await self.pool.renew(c.digest, c.stores))[0]:
-                return
-            others = [n for n in place(c.digest, self.pool.names, self._cfg.replicas) if n not in c.stores]
-            if not others or not (await self.pool.renew(c.digest, others))[0]:
+            if not await self._renew_chunk(c):
                 raise ChunkUnavailable(f"{m.path} version {m.version}: chunk {c.digest[:16]} has no copy left "
-                                       f"(stores {', '.join([*c.stores, *others])}): it cannot be restored")
+                                       f"(stores {', '.join(c.stores)}, and its placement): it cannot be restored")
 
         await in_parallel(one, list({c.digest: c for c in m.chunks}.values()), self._cfg.fetch_concurrency)
 

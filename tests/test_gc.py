@@ -1161,3 +1161,24 @@ async def test_a_mount_whose_clock_is_behind_renews_the_old_copies_it_reuses(tmp
     assert report.refused == "" and sum(s.deleted for s in report.stores) == 0
     assert w.pool.replica_statistics().touched == 2 * len(first.chunks)
     assert await Writer(tmp_path, cfg, "c3").read("/ckpt.bin") == content
+
+
+@pytest.mark.parametrize("saved_ago", [0.0, 7200.0])
+async def test_a_rename_of_a_version_saved_long_ago_renews_its_chunks(tmp_path: Path, saved_ago: float) -> None:
+    """A rotation renames a checkpoint saved 2 h ago (mv ckpt.pt ckpt.prev.pt: one transaction). The new
+    name's version names the old chunks without storing them, so the rename touches their copies: a gc
+    that saw neither name's version (it listed the new path before the rename landed and the old one
+    after) judges them young at deletion and leaves them. Nothing touched them, and such a gc deleted
+    them (an audit's find). A version saved moments ago is young enough: nothing is touched."""
+    cfg = _config(tmp_path, keep=1)
+    data = os.urandom(SIZE)
+    m = await Writer(tmp_path, cfg, "a1", behind=saved_ago).put("/ckpt.pt", data)
+    _age_chunks(tmp_path)
+    w = Writer(tmp_path, cfg, "b2")
+    await w.catalog.move(m, "/ckpt.prev.pt")
+    ages = [time.time() - p.stat().st_mtime for p in _chunk_files(tmp_path)]
+    if saved_ago:
+        assert w.pool.replica_statistics().renewed == 2 * len(m.chunks) and max(ages) < GRACE / 2
+    else:
+        assert w.pool.replica_statistics().renewed == 0 and min(ages) > GRACE
+    assert await w.read("/ckpt.prev.pt") == data
