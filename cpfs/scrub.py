@@ -35,6 +35,7 @@ again). A manifest copy is re-copied only after the key was seen again on a stor
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from typing import TypeVar
 import trio
 
 from . import chunk as chunkfmt
-from .catalog import PREFIX, Catalog, VersionRef, current_of, voided
+from .catalog import PREFIX, TXN_PREFIX, Catalog, VersionRef, current_of, txn_key, voided
 from .errors import CorruptChunk, ManifestError, NoSuchObject, StoreError
 from .manifest import SUMMARY_MAX, Manifest, Summary, normalize_path, path_hash
 from .placement import place
@@ -61,9 +62,9 @@ PROBLEMS_SHOWN = 20          # ... of which the human summary prints
 @dataclass(frozen=True, kw_only=True)
 class ScrubStats:
     """Counts so far (Scrubber.statistics()) or in the end (ScrubReport.stats)."""
-    phase: str = "idle"              # idle, listing, manifests, chunks, done
+    phase: str = "idle"              # idle, listing, manifests, transactions, chunks, done
     stores: int = 0                  # stores in the config
-    stores_unlisted: int = 0         # stores whose manifest listing failed: the scrub is incomplete
+    stores_unlisted: int = 0         # listings that failed (manifests, transaction records): incomplete
     manifests: int = 0               # paths (a manifest per file, with its kept versions)
     versions: int = 0                # kept versions: version keys, every state
     manifest_copies: int = 0         # manifest copies read
@@ -71,6 +72,9 @@ class ScrubStats:
     manifest_corrupt: int = 0        # ... that do not parse or do not match their key
     manifests_under_replicated: int = 0  # versions with good copies on fewer than `replicas` placement stores
     manifests_lost: int = 0          # versions with no good copy at all
+    records: int = 0                 # transaction records (and void markers) the scrubbed versions count on
+    record_missing: int = 0          # ... copies absent or corrupt on a store of their placement
+    records_lost: int = 0            # ... records of committed transactions with no good copy
     chunks_total: int = 0            # distinct chunks the scrubbed versions name
     chunks: int = 0                  # ... checked so far
     replicas: int = 0                # chunk copies checked (read, or found missing on a listed store)
@@ -90,12 +94,13 @@ class ScrubStats:
     def found(self) -> int:
         """Problems found so far: bad copies, objects with no good copy, wrong block checks."""
         return (self.missing + self.corrupt + self.unreachable + self.lost + self.manifest_missing
-                + self.manifest_corrupt + self.manifests_lost + self.block_checks_wrong)
+                + self.manifest_corrupt + self.manifests_lost + self.block_checks_wrong + self.record_missing
+                + self.records_lost)
 
 
 @dataclass(frozen=True)
 class Problem:
-    what: str          # "chunk" or "manifest"
+    what: str          # "chunk", "manifest" or "transaction"
     kind: str          # "missing", "corrupt", "unreachable", "lost", "under-replicated", "voided", "repair failed"
     key: str
     store: str         # "" when about the object, not one copy
@@ -208,6 +213,8 @@ class Scrubber:
                 v.current = v.ref == cur
                 v.voided = v.ref.state != "failed" and v.ref.order in void
         await self._each([v for g in groups.values() for v in g], lambda v: self._check_version(v, repair))
+        self._t.phase = "transactions"
+        await self._check_transactions(groups, committed, repair)
         self._t.phase = "chunks"
         self._t.add("chunks_total", len(self._chunks))
         await self._each(list(self._chunks.items()), lambda item: self._check_chunk(*item, repair))
@@ -260,24 +267,30 @@ class Scrubber:
         return True
 
     # -- manifests ---------------------------------------------------------------------------------
-    async def _groups(self) -> dict[str, list[_Version]]:
-        """Every version key on every store, by path hash."""
+    async def _where(self, prefix: str, what: str) -> tuple[dict[str, list[str]], set[str]]:
+        """key -> the stores that list it, for every key under `prefix`; and the stores that did."""
         where: dict[str, list[str]] = {}
+        listed: set[str] = set()
 
         async def one(name: str) -> None:
             try:
-                keys = await self._pool.list_keys(name, PREFIX)
+                keys = await self._pool.list_keys(name, prefix)
             except StoreError as e:
-                log.error("scrub: cannot list the manifests on store %r: %s", name, e)
+                log.error("scrub: cannot list the %s on store %r: %s", what, name, e)
                 self._t.add("stores_unlisted")
                 return
-            self._listed.add(name)
+            listed.add(name)
             for key in keys:
                 where.setdefault(key, []).append(name)
 
         async with trio.open_nursery() as n:
             for name in self._pool.names:
                 n.start_soon(one, name)
+        return where, listed
+
+    async def _groups(self) -> dict[str, list[_Version]]:
+        """Every version key on every store, by path hash."""
+        where, self._listed = await self._where(PREFIX, "manifests")
         if not self._listed:
             raise StoreError(",".join(self._pool.names), "scrub: no store could list its manifests")
         groups: dict[str, list[_Version]] = {}
@@ -441,6 +454,58 @@ class Scrubber:
                 unknown = True
         return None if unknown else False
 
+    # -- transactions ------------------------------------------------------------------------------
+    async def _check_transactions(self, groups: dict[str, list[_Version]], committed: set[str], repair: bool) -> None:
+        """The record of every transaction the scrubbed versions belong to, and its void marker if it
+        has one, on the record's placement (`place(txn, stores, replicas)`, where a commit puts it):
+        a version of a transaction counts only while its record can be read and no marker voids it.
+        Unscrubbed, two stores replaced (each repaired by scrub) lost a committed folder rename's
+        record, its versions stopped counting, and gc deleted them as never committed (an audit's
+        find)."""
+        txns = sorted({v.ref.txn for g in groups.values() for v in g if v.ref.txn})
+        if not txns:
+            return
+        listing, _ = await self._where(TXN_PREFIX, "transaction records")
+        keys = [(t, key) for t in txns for key in (txn_key(t), txn_key(t, void=True))
+                if key in listing or (not key.endswith(".failed.json") and t in committed)]
+        self._t.add("records", len(keys))
+        await self._each(keys, lambda item: self._check_record(*item, listing.get(item[1], []), repair))
+
+    async def _check_record(self, txn: str, key: str, holders: list[str], repair: bool) -> None:
+        placement = place(txn, self._pool.names, self._replicas)
+        state: dict[str, str] = {}
+        good: bytes | None = None
+        for name in [n for n in self._pool.names if n in holders or n in placement]:
+            got = await self._get(name, key)
+            if isinstance(got, str):
+                state[name] = got
+                continue
+            try:
+                ok = json.loads(got).get("txn") == txn
+            except (ValueError, AttributeError, RecursionError):
+                ok = False
+            state[name] = "good" if ok else "corrupt"
+            if ok and good is None:
+                good = got
+        where = f"transaction {txn}" + (" (its void marker)" if key.endswith(".failed.json") else "")
+        if good is None:
+            if "unreachable" not in state.values() and not holders:
+                return                                   # deleted since the listing (gc): nothing counts on it
+            self._t.add("records_lost")
+            self._t.add("unrepaired")
+            self._problem("transaction", "lost", key, "", where, "no good copy on any store")
+            return
+        short = [n for n in placement if state.get(n) != "good"]
+        for name in short:
+            self._t.add("record_missing")
+            self._problem("transaction", state.get(name, "missing"), key, name, where)
+        if repair and short and await self._exists(key, [n for n, s in state.items() if s == "good"]):
+            for name in short:
+                if await self._put(name, key, good, "transaction record", where):
+                    state[name] = "good"
+        if any(state.get(n) != "good" for n in placement):
+            self._t.add("unrepaired")
+
     # -- chunks ------------------------------------------------------------------------------------
     async def _check_chunk(self, digest: str, chunk: _Chunk, repair: bool) -> None:
         """Every copy of one chunk on the stores its manifests list and on its current placement."""
@@ -564,6 +629,8 @@ def render(report: ScrubReport) -> str:
                ("missing manifest copies", s.manifest_missing), ("corrupt manifest copies", s.manifest_corrupt),
                ("under-replicated versions", s.manifests_under_replicated), ("lost versions", s.manifests_lost),
                ("versions with wrong block checks", s.block_checks_wrong),
+               ("missing or corrupt transaction record copies", s.record_missing),
+               ("lost transaction records", s.records_lost),
                ("copies a store did not answer for", s.unreachable), ("deleted while scrubbing", s.vanished)]
     found = [f"{n} {what}" for what, n in figures if n]
     if found:

@@ -448,3 +448,35 @@ def test_a_manifest_copy_whose_bits_rotted_is_found_and_repaired(tmp_path: Path)
     other = next(s for s, k in _objects(config) if k == key and s != store)
     assert path.read_bytes() == (config.parent / "stores" / other / key).read_bytes()
     _assert_reads(config, files)
+
+
+async def test_a_folder_renames_transaction_record_is_scrubbed_and_repaired(tmp_path: Path) -> None:
+    """A folder rename is one transaction: its versions count while its record can be read. Two
+    stores holding the record replaced one after the other, each followed by `scrub --repair`: the
+    scrub reports the record's missing copy and restores it on the record's placement, and the renamed
+    files still read. Unscrubbed, the record went with the second store, the rename's versions stopped
+    counting (the files were gone from every listing) and gc deleted them as never committed (an
+    audit's find)."""
+    config = _config(tmp_path / "cfg")
+    rng = random.Random(3)
+    files = {name: rng.randbytes(300_000) for name in ("a.bin", "b.bin")}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        cpfs("put", str(tmp_path / name), f"/run/tmp/{name}", config=config)
+    pool = StorePool(load_config(config))
+    await pool.check()
+    catalog = Catalog(pool)
+    old = [await catalog.get(f"/run/tmp/{name}") for name in files]
+    await catalog.transact([dataclasses.replace(m, path=m.path.replace("/tmp/", "/step_1/")) for m in old], old)
+    stores = config.parent / "stores"
+    holders = sorted(p.parts[-3] for p in stores.glob("*/txns/*.json"))
+    assert len(holders) == 2
+    for store in holders:
+        shutil.rmtree(stores / store)               # its disk replaced
+        (stores / store).mkdir()
+        rc, j = _scrub(config, "--repair")
+        assert rc == 0 and j["record_missing"] == 1 and j["records"] == 1, j
+        assert len(list(stores.glob("*/txns/*.json"))) == 2
+    rc, j = _scrub(config)
+    assert rc == 0 and _clean(j) and j["record_missing"] == 0, j
+    _assert_reads(config, {f"/run/step_1/{name}": data for name, data in files.items()})
