@@ -409,30 +409,42 @@ class CpfsOperations(pyfuse3.Operations):
         Only from open, during which the kernel holds no lock on the inode."""
         if not self.ns.is_current(node):
             raise pyfuse3.FUSEError(errno.ESTALE)   # a name looked up before the version changed
-        if node.summary is None or node.ino in self.writing or node.summary.link:
-            return          # hard-linked files: each listing shows them newer in place (_apply_linked)
         now = trio.current_time()
         if now - self._checked.get(node.ino, -math.inf) < self.config.refresh:
             return
         self._checked[node.ino] = now
+        new = await self._caught_up(node)
+        if new is not node:
+            self._checked[new.ino] = now
+            raise pyfuse3.FUSEError(errno.ESTALE)
+
+    async def _caught_up(self, node: Node) -> Node:
+        """The node of the file's current version: `node`, or, if another mount committed a newer
+        version since this one looked, a new node (inode) for it, the old one retired and its kernel
+        entry dropped (the retried lookup revalidates anyway). Before a change that builds on the
+        version shown (a chmod, a truncate, a rename, a link): made from a version another mount has
+        replaced since, it was committed over the newer one, and every mount read the save before
+        again (an audit's find). Hard-linked files are shown newer in place by each listing."""
+        if node.is_dir or node.summary is None or node.ino in self.writing or node.summary.link \
+                or not self.ns.is_current(node):
+            return node
         try:
             m: Summary | Unreadable = await self.catalog.current(node.path)
         except NotFound:
-            return      # removed elsewhere: what was opened stays readable; _refresh drops the name
+            return node     # removed elsewhere: what was opened stays readable; _refresh drops the name
         except StoreError as e:
-            log.warning("%s: cannot check for a newer version, opening the one listed: %s", node.path, e)
-            return
+            log.warning("%s: cannot check for a newer version, going on with the one listed: %s", node.path, e)
+            return node
         except ManifestError as e:
             m = Unreadable(node.path, "(current version)", str(e))
         if not _newer(m, node, self.catalog) or node.ino in self.writing or not self.ns.is_current(node):
-            return
+            return node
         parent = self.ns.parent(node)
         new = self.ns.replace(node, m)
-        self._checked[new.ino] = now
-        self._invalidate(node.ino, parent.ino, node.name)   # the retried lookup revalidates anyway
+        self._invalidate(node.ino, parent.ino, node.name)
         log.info("%s: newer version %s committed elsewhere (inode %d -> %d)", node.path,
                  getattr(m, "version", "?"), node.ino, new.ino)
-        raise pyfuse3.FUSEError(errno.ESTALE)
+        return new
 
     @boundary
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -899,6 +911,8 @@ class CpfsOperations(pyfuse3.Operations):
             changes.setdefault("mtime_ns", time.time_ns())
             if fh is not None and fh in self.handles:
                 self.handles[fh].changed = True            # ftruncate: its close commits
+            else:
+                node = await self._caught_up(node)         # truncate(2) of the file's current version
             # A use of the file's session while we truncate: of its own for a closed file, committed
             # as we leave it; else the open one's, whose close commits (as it does if it closes first).
             w = await self._session(node, truncate=attr.st_size == 0, explicit=True)
@@ -943,7 +957,8 @@ class CpfsOperations(pyfuse3.Operations):
 
     async def _rewrite(self, node: Node, **changes: Any) -> None:
         """A new version with other attributes and the same chunks (under every name of the file, as
-        one transaction)."""
+        one transaction); of the file's current version, if another mount committed a newer one."""
+        node = await self._caught_up(node)
         m = await self._manifest(node)
         with self._changing(*node.names):
             committed = await self.catalog.transact(m.at(node.names, **changes))
@@ -1137,6 +1152,9 @@ class CpfsOperations(pyfuse3.Operations):
         if target == node.ino:
             return                 # two names of one file: nothing to do (POSIX)
         t = None if target is None else self.ns.node(target)
+        for f in (node, t):             # a newer version of either, committed elsewhere, is what moves
+            if f is not None and await self._caught_up(f) is not f:
+                return await self.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
         # A commit of either under way (a chmod) goes first: made from the version before, it would undo us.
         # For a folder, of anything below it too, and none starts until we are done: a write session
         # opened meanwhile would commit under the old name.
@@ -1244,7 +1262,7 @@ class CpfsOperations(pyfuse3.Operations):
         transaction (and so does every later commit of the file, see WriteSession.also). The kernel
         refuses folders and checks permissions and the name's absence itself."""
         await self._settled(inode)          # a chmod, rename or session's end first: link what it made
-        node = self.ns.node(inode)
+        node = await self._caught_up(self.ns.node(inode))
         parent = self.ns.node(new_parent_inode)
         name = _name(new_name)
         if node.is_dir:

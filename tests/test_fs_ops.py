@@ -857,3 +857,40 @@ async def test_an_fsync_through_a_read_only_descriptor_makes_the_writers_bytes_d
         await ops.flush(wh)
         await ops.release(wh)
         assert (await catalog.current("/log.txt")).size == 14
+
+
+@pytest.mark.parametrize("op", ["chmod", "touch", "truncate", "rename", "link", "setxattr"])
+async def test_a_change_in_a_mount_that_has_not_seen_anothers_save_keeps_that_save(tmp_path: Path, op: str) -> None:
+    """Mount A saves f twice; B, which looked f up before the second save and has not listed since,
+    changes f (chmod, utimensat, truncate, rename, link, setxattr). The change applies to A's newer
+    version: every mount then reads A's second save. Made from the version B showed, it was committed
+    over the newer one, and every mount read the first save again (an audit's find)."""
+    ctx = pyfuse3.RequestContext()
+    newer = b"VERSION TWO, newer"
+    async with operations(tmp_path, staging="sa", writer="aa") as (a, catalog), \
+            operations(tmp_path, staging="sb", writer="bb") as (b, _):
+        await new_file(a, pyfuse3.ROOT_INODE, b"f", b"version one")
+        await _listed_again(b)
+        ino = (await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+        await a.release(await save(a, (await a.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino, newer))
+        path, size = "/f", len(newer)
+        if op in ("chmod", "touch", "truncate"):
+            attr = pyfuse3.EntryAttributes()
+            attr.st_mode, attr.st_mtime_ns, attr.st_size = stat.S_IFREG | 0o600, 1, 7
+            fields = SimpleNamespace(update_size=op == "truncate", update_mode=op == "chmod", update_uid=False,
+                                     update_gid=False, update_atime=False, update_mtime=op == "touch",
+                                     update_ctime=False)
+            await b.setattr(ino, attr, fields, None, ctx)
+            size = 7 if op == "truncate" else size
+        elif op == "rename":
+            await b.rename(pyfuse3.ROOT_INODE, b"f", pyfuse3.ROOT_INODE, b"g", 0, ctx)
+            path = "/g"
+        elif op == "link":
+            await b.link(ino, pyfuse3.ROOT_INODE, b"h", ctx)
+            path = "/h"
+        else:
+            await b.setxattr(ino, b"user.k", b"v", ctx)
+        m = await catalog.get(path)
+        assert m.size == size and await catalog.pool.fetch_chunk(m.chunks[0], path) == newer[:size]
+        if op == "chmod":
+            assert stat.S_IMODE(m.mode) == 0o600
