@@ -232,10 +232,11 @@ class Namespace:
     def forget(self, ino: int) -> None:
         """The kernel dropped the inode: a retired node is gone for good; a live one keeps its number and
         lets go of its whole manifest (fetched again on its next open), which else stayed for the life of
-        the mount for every file ever opened."""
+        the mount for every file ever opened. Only a version a listing found (its key known): one
+        committed here names no key and could not be fetched again (EIO at the next open)."""
         self.retired.pop(ino, None)
         node = self.nodes.get(ino)
-        if node is not None and not node.is_dir and node.summary is not None:
+        if node is not None and not node.is_dir and node.summary is not None and node.summary.key:
             node.manifest, node._index = None, None
 
     def entries(self, node: Node, path: str | None = None) -> list[tuple[str, Node]]:

@@ -646,13 +646,15 @@ async def test_a_file_open_for_hours_keeps_what_it_stored_while_gc_runs(tmp_path
     had taken."""
     cfg = _config(tmp_path)
     f = OpenFile(tmp_path, cfg, "/run/train.log")
-    first, second = os.urandom(16 * 65536), os.urandom(100_000)
+    # A short last chunk, which waits for more bytes: with 16 whole ones, the 16th could be stored while
+    # the test aged the copies, and its renewal then counted from after the clock step (CI saw it).
+    first, second = os.urandom(15 * 65536 + 1000), os.urandom(100_000)
     async with trio.open_nursery() as n:
         s = f.session(n)
         await s.write(0, first)
-        await _until(lambda: s.statistics().chunks_streamed >= 15, 120)   # the last waits for more bytes
+        await _until(lambda: s.statistics().chunks_streamed >= 15, 120)
         stored = set(_chunk_files(tmp_path))
-        assert s.statistics().chunks_streamed >= 15 and stored
+        assert s.statistics().chunks_streamed == 15 and len(stored) == 2 * 15
         f.hours_pass(stored)
         if step_back:
             f.clock.ahead -= AGE
@@ -676,11 +678,12 @@ async def test_a_file_open_for_writing_renews_at_once_when_its_host_wakes(tmp_pa
     past RENEW_AGE, within the grace) is followed by their renewal within 3 s (before: up to 75 s)."""
     cfg = _config(tmp_path, gc_grace="10m")
     f = OpenFile(tmp_path, cfg, "/run/train.log")
-    data = os.urandom(16 * 65536)
+    data = os.urandom(15 * 65536 + 1000)    # the short last chunk waits for the close (see above)
     async with trio.open_nursery() as n:
         s = f.session(n)
         await s.write(0, data)
         await _until(lambda: s.statistics().chunks_streamed >= 15, 120)
+        assert s.statistics().chunks_streamed == 15
         f.hours_pass(set(_chunk_files(tmp_path)), 0.6 * 600)
         await _until(lambda: s.statistics().chunks_renewed >= 15, 3 * TICKS_WATCH)
         assert s.statistics().chunks_renewed >= 15
