@@ -396,6 +396,13 @@ class CpfsOperations(pyfuse3.Operations):
             self.ns.remove_name(node, path)
         self._invalidate(node.ino, parent.ino, posixpath.basename(path))
 
+    @staticmethod
+    def _gone_unless(node: Node | None, path: str) -> Node:
+        """`node`, or NotFound (ENOENT) for a file another mount removed (`_caught_up` gave None)."""
+        if node is None:
+            raise NotFound(f"{path}: removed by another mount")
+        return node
+
     def _invalidate(self, ino: int, parent: int | None = None, name: str | None = None) -> None:
         """Drop the kernel's cached pages/attributes (or name) of a file that changed elsewhere.
         From a thread, not awaited: the kernel may need a lock that the request being handled holds."""
@@ -409,29 +416,40 @@ class CpfsOperations(pyfuse3.Operations):
         Only from open, during which the kernel holds no lock on the inode."""
         if not self.ns.is_current(node):
             raise pyfuse3.FUSEError(errno.ESTALE)   # a name looked up before the version changed
+        if await self._rechecked(node) is not node:
+            raise pyfuse3.FUSEError(errno.ESTALE)     # the kernel looks again: the new inode, or ENOENT
+
+    async def _rechecked(self, node: Node) -> Node | None:
+        """`_caught_up`, at most once per `refresh` per inode."""
         now = trio.current_time()
         if now - self._checked.get(node.ino, -math.inf) < self.config.refresh:
-            return
+            return node
         self._checked[node.ino] = now
         new = await self._caught_up(node)
-        if new is not node:
+        if new is not None:
             self._checked[new.ino] = now
-            raise pyfuse3.FUSEError(errno.ESTALE)
+        return new
 
-    async def _caught_up(self, node: Node) -> Node:
-        """The node of the file's current version: `node`, or, if another mount committed a newer
-        version since this one looked, a new node (inode) for it, the old one retired and its kernel
-        entry dropped (the retried lookup revalidates anyway). Before a change that builds on the
-        version shown (a chmod, a truncate, a rename, a link): made from a version another mount has
-        replaced since, it was committed over the newer one, and every mount read the save before
-        again (an audit's find). Hard-linked files are shown newer in place by each listing."""
+    async def _caught_up(self, node: Node) -> Node | None:
+        """The node of the file's current version: `node`; a new node (inode) for a newer version
+        another mount committed since this one looked (the old one retired, its kernel entry dropped:
+        the retried lookup revalidates anyway); None if another mount removed it (its name dropped
+        here). Before a change that builds on the version shown (a chmod, a truncate, a rename, a
+        link): made from a version another mount had replaced, it was committed over the newer one,
+        and every mount read the save before again; and a file removed elsewhere stayed openable here
+        until a listing (audits' finds). Hard-linked files are shown newer in place by each listing;
+        a path this mount is changing now is left as it is."""
         if node.is_dir or node.summary is None or node.ino in self.writing or node.summary.link \
-                or not self.ns.is_current(node):
+                or not self.ns.is_current(node) or node.path in self._busy_paths:
             return node
         try:
             m: Summary | Unreadable = await self.catalog.current(node.path)
         except NotFound:
-            return node     # removed elsewhere: what was opened stays readable; _refresh drops the name
+            if node.ino in self.writing or not self.ns.is_current(node) or node.path in self._busy_paths:
+                return node
+            log.info("%s: removed elsewhere (inode %d)", node.path, node.ino)
+            self._drop(node)    # open handles read on; the name goes, here and in the kernel
+            return None
         except StoreError as e:
             log.warning("%s: cannot check for a newer version, going on with the one listed: %s", node.path, e)
             return node
@@ -453,6 +471,10 @@ class CpfsOperations(pyfuse3.Operations):
         text = _name(name)
         try:
             node = self.ns.lookup(parent_inode, text)
+            if node.summary is not None and node.summary.symlink:
+                # `latest -> step_N`, replaced by another mount: resolved as it is now (at most `refresh`
+                # old), not as this mount first listed it (an audit's find: until a listing, for good).
+                node = self._gone_unless(await self._rechecked(node), node.path)
         except NotFound:
             await self._refresh()
             try:
@@ -912,7 +934,7 @@ class CpfsOperations(pyfuse3.Operations):
             if fh is not None and fh in self.handles:
                 self.handles[fh].changed = True            # ftruncate: its close commits
             else:
-                node = await self._caught_up(node)         # truncate(2) of the file's current version
+                node = self._gone_unless(await self._caught_up(node), node.path)  # its current version
             # A use of the file's session while we truncate: of its own for a closed file, committed
             # as we leave it; else the open one's, whose close commits (as it does if it closes first).
             w = await self._session(node, truncate=attr.st_size == 0, explicit=True)
@@ -958,7 +980,7 @@ class CpfsOperations(pyfuse3.Operations):
     async def _rewrite(self, node: Node, **changes: Any) -> None:
         """A new version with other attributes and the same chunks (under every name of the file, as
         one transaction); of the file's current version, if another mount committed a newer one."""
-        node = await self._caught_up(node)
+        node = self._gone_unless(await self._caught_up(node), node.path)
         m = await self._manifest(node)
         with self._changing(*node.names):
             committed = await self.catalog.transact(m.at(node.names, **changes))
@@ -1262,7 +1284,8 @@ class CpfsOperations(pyfuse3.Operations):
         transaction (and so does every later commit of the file, see WriteSession.also). The kernel
         refuses folders and checks permissions and the name's absence itself."""
         await self._settled(inode)          # a chmod, rename or session's end first: link what it made
-        node = await self._caught_up(self.ns.node(inode))
+        node = self.ns.node(inode)
+        node = self._gone_unless(await self._caught_up(node), node.path)
         parent = self.ns.node(new_parent_inode)
         name = _name(new_name)
         if node.is_dir:

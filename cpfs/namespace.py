@@ -203,6 +203,8 @@ class Namespace:
         return self.add(manifest)
 
     def create(self, parent: Node, name: str, is_dir: bool) -> Node:
+        if not self.is_current(parent):     # renamed or removed (elsewhere) since it was looked up: ENOENT
+            raise NotFound(f"{parent.path}: no such folder any more")
         if not parent.is_dir:
             raise NotADirectory(f"{parent.path}: not a folder")
         if name in parent.children:

@@ -883,6 +883,76 @@ async def test_an_fsync_through_a_read_only_descriptor_makes_the_writers_bytes_d
         assert (await catalog.current("/log.txt")).size == 14
 
 
+@pytest.mark.parametrize("how", ["rmdir", "rename"])
+async def test_a_new_name_in_a_folder_another_mount_removed_answers_enoent(tmp_path: Path, how: str) -> None:
+    """Mount B holds folder d's inode; mount A removes or renames d; B lists the stores again and then
+    creates a file, a folder and a symlink in d: ENOENT each, as a local filesystem answers for a
+    folder removed under an open descriptor, and nothing is committed. It answered EIO (an audit's
+    find: the retired folder raised a KeyError)."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="sa", writer="aa") as (a, catalog), \
+            operations(tmp_path, staging="sb", writer="bb") as (b, _):
+        await a.mkdir(pyfuse3.ROOT_INODE, b"d", 0o755, ctx)
+        await _listed_again(b)
+        d = (await b.lookup(pyfuse3.ROOT_INODE, b"d", ctx)).st_ino
+        if how == "rmdir":
+            await a.rmdir(pyfuse3.ROOT_INODE, b"d", ctx)
+        else:
+            await a.rename(pyfuse3.ROOT_INODE, b"d", pyfuse3.ROOT_INODE, b"e", 0, ctx)
+        await _listed_again(b)
+        for make in (lambda: b.create(d, b"x", 0o644, os.O_WRONLY | os.O_CREAT, ctx),
+                     lambda: b.mkdir(d, b"y", 0o755, ctx), lambda: b.symlink(d, b"z", b"x", ctx)):
+            with pytest.raises(pyfuse3.FUSEError) as e:
+                await make()
+            assert e.value.errno == errno.ENOENT
+        for path in ("/d/x", "/d/y", "/d/z", "/e/x", "/e/y", "/e/z"):
+            with pytest.raises(NotFound):
+                await catalog.current(path)
+
+
+async def test_a_file_another_mount_removed_opens_no_more(tmp_path: Path) -> None:
+    """Mount B looked f up; mount A removes it. B's next open answers ESTALE (the kernel looks the name
+    up again) and the lookup ENOENT, before any listing, as NFS does. The open went on reading the
+    removed version until B listed the stores again (an audit's find)."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="sa", writer="aa") as (a, _), \
+            operations(tmp_path, staging="sb", writer="bb") as (b, _):
+        await new_file(a, pyfuse3.ROOT_INODE, b"f", b"removed elsewhere")
+        await _listed_again(b)
+        ino = (await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+        await a.unlink(pyfuse3.ROOT_INODE, b"f", ctx)
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await b.open(ino, os.O_RDONLY, ctx)
+        assert e.value.errno == errno.ESTALE
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)
+        assert e.value.errno == errno.ENOENT
+
+
+async def test_a_symlink_another_mount_replaced_resolves_to_its_new_target(tmp_path: Path) -> None:
+    """`latest -> step_1`, replaced by mount A with `latest -> step_2` (a symlink renamed over it, as
+    trainers do): mount B, which resolved `latest` before, resolves it to step_2 once `refresh` has
+    passed, without listing the stores. It kept step_1 until a listing (an audit's find), so a job
+    restarted on B loaded the checkpoint before."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="sa", writer="aa") as (a, _), \
+            operations(tmp_path, staging="sb", writer="bb") as (b, _):
+        await a.symlink(pyfuse3.ROOT_INODE, b"latest", b"step_1", ctx)
+        await _listed_again(b)
+        ino = (await b.lookup(pyfuse3.ROOT_INODE, b"latest", ctx)).st_ino
+        assert await b.readlink(ino, ctx) == b"step_1"
+        await a.symlink(pyfuse3.ROOT_INODE, b"latest.tmp", b"step_2", ctx)
+        await a.rename(pyfuse3.ROOT_INODE, b"latest.tmp", pyfuse3.ROOT_INODE, b"latest", 0, ctx)
+        await trio.sleep(b.config.refresh)
+        ino = (await b.lookup(pyfuse3.ROOT_INODE, b"latest", ctx)).st_ino
+        assert await b.readlink(ino, ctx) == b"step_2"
+        await a.unlink(pyfuse3.ROOT_INODE, b"latest", ctx)
+        await trio.sleep(b.config.refresh)
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await b.lookup(pyfuse3.ROOT_INODE, b"latest", ctx)
+        assert e.value.errno == errno.ENOENT
+
+
 @pytest.mark.parametrize("op", ["chmod", "touch", "truncate", "rename", "link", "setxattr"])
 async def test_a_change_in_a_mount_that_has_not_seen_anothers_save_keeps_that_save(tmp_path: Path, op: str) -> None:
     """Mount A saves f twice; B, which looked f up before the second save and has not listed since,
