@@ -366,5 +366,8 @@ def test_a_whole_load_after_an_mmap_load_of_many_small_tensors_still_streams(mak
     load = max((f for f in doc["scheduler"]["files"] if f["path"] == f"/{name}"), key=lambda f: f["fetched_bytes"])
     print(f"\ntry {attempt + 1}: learned {doc['learned']}; the load's open: {load}")
     assert doc["learned"]["replayed"] >= 1          # it got the mmap load's plan ...
-    assert load["demand_fetches"] <= len(sd) // 4   # ... and left it: most tensors came by readahead
+    # ... and left it: most tensors came by readahead. Leaving takes STRAY_CHUNKS chunks (4 MiB) of reads
+    # outside the plan and half of what the load read: 8-12 MiB, 16-30 records of 0.25-0.75 MiB on
+    # demand (19-29 seen; // 4 failed one CI run in three at 0.25 MiB); never leaving fetched all 96.
+    assert load["demand_fetches"] <= len(sd) * 2 // 5
     assert load["prefetched_bytes"] >= size // 2
