@@ -53,13 +53,14 @@ async def _run(command: Callable[[Config, argparse.Namespace], Awaitable[int]], 
             n.cancel_scope.cancel()
 
 
-async def _open(config: Config, *, writes: bool = False) -> tuple[StorePool, Catalog]:
+async def _open(config: Config, *, writes: bool = False, refill: bool = False) -> tuple[StorePool, Catalog]:
     """The stores, checked before anything is read or written; a command that `writes` enrolls its
-    config in the stores' roster first (cpfs/roster.py)."""
+    config in the stores' roster first, refusing a blank store unless it will `refill` it
+    (cpfs/roster.py)."""
     pool = StorePool(config)
     await pool.check()
     if writes:
-        await roster.enroll(pool)
+        await roster.enroll(pool, refill=refill)
     await _background.get().start(pool.run)
     return pool, Catalog(pool, journal=VoidJournal.for_config(config))
 
@@ -274,7 +275,7 @@ async def cmd_scrub(config: Config, args: argparse.Namespace) -> int:
 
     from .scrub import Scrubber, render
 
-    pool, catalog = await _open(config, writes=args.repair)
+    pool, catalog = await _open(config, writes=args.repair, refill=args.repair)
     scrubber = Scrubber(pool, catalog)
 
     def draw(bar: tqdm) -> None:

@@ -70,7 +70,7 @@ Assumptions (the caveats):
    half of its own): `cpfs gc` refuses a `--grace` below its own config's gc_grace, and raises it to the
    longest gc_grace the stores' roster holds (cpfs/roster.py: every writer enrolls its config).
 4. gc runs with the mounts' stores (their config): it refuses while the roster names a store its config
-   lacks. And a listing shows every key written before it began (folders; S3 and current RGW/MinIO are
+   lacks, or a store it has lists nothing although the roster names it (an unmounted filesystem). And a listing shows every key written before it began (folders; S3 and current RGW/MinIO are
    strongly consistent).
 5. A file written through a mount without O_TRUNC commits its unchanged base chunks by reference,
    unchecked, and a session's later commits the chunks its earlier ones named: the mount holds the
@@ -232,6 +232,9 @@ class GarbageCollector:
                     f"go unseen and their chunks be deleted. Run gc with the mounts' config; once a store "
                     f"is retired for good (`cpfs scrub --repair` moved its copies), `cpfs gc "
                     f"--forget-store NAME`")
+        if blank := await roster.blank(self.pool, listed):
+            return (f"{roster.describe_blank(self.pool, blank)}: versions whose manifests live there would "
+                    f"go unseen and their chunks be deleted")
         if not listed.enrollments:
             log.warning("gc: no store holds a roster yet (no mount or put of this version wrote to them): "
                         "it cannot check that this config names every store the mounts use")

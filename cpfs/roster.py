@@ -16,6 +16,15 @@ A store retired for good (`cpfs scrub --repair` moved its copies to the current 
 roster by `cpfs gc --forget-store NAME`, which deletes the enrollments naming it and enrolls gc's own
 config; a mount that still lists it enrolls it again at its next start.
 
+The roster also tells a store in use from an empty folder or bucket in its place. Every writer
+enrolls on every store of its config, so a store that lists no enrollment and no manifest while an
+enrollment on another store names it is not the store the mounts wrote to: a network filesystem not
+mounted (its empty mountpoint, or no folder at all: the first put created one on the local disk, and
+the copies written there vanished under the remount), another bucket, a disk swapped for a blank one.
+Writers refuse to start on it (`require_present`), and gc refuses to run: with two such stores the
+versions whose manifests live only there go unseen and gc deleted their chunks on the others (an
+audit's find). A blank store put in on purpose is taken in by `cpfs scrub --repair`, which refills it.
+
 Caveats: a roster is only as complete as its writers' enrollments. Stores written before rosters
 existed have none until a writer starts; an enrollment that no store took is logged by its writer. A
 config whose store names differ from the mounts' for the same folders or buckets is not recognised
@@ -28,9 +37,11 @@ import json
 import logging
 import math
 from collections.abc import Collection
+from contextlib import aclosing
 from dataclasses import dataclass
 
-from .errors import MALFORMED, ManifestError, NoSuchObject, StoreError
+from .catalog import PREFIX as MANIFESTS
+from .errors import MALFORMED, ConfigError, ManifestError, NoSuchObject, StoreError
 from .pool import StorePool
 from .sync import fan_out
 
@@ -104,9 +115,55 @@ class Roster:
         return [k for k, e in self.enrollments.items() if store in e.stores]
 
 
-async def enroll(pool: StorePool) -> None:
-    """Put this config's enrollment on each of its stores that lacks it. Best effort: a store that
-    fails is logged (gc reads the enrollment from any store that holds it)."""
+async def blank(pool: StorePool, listed: Roster) -> dict[str, list[str]]:
+    """The pool's stores that hold no enrollment and no manifest although an enrollment held elsewhere
+    names them (see the module doc) -> the stores holding such enrollments. A store that lists
+    manifests but no enrollment (its writer's enrollment failed there) is in use: not blank."""
+    holding = {s for names in listed.where.values() for s in names}
+    out: dict[str, list[str]] = {}
+    for name in pool.names:
+        keys = listed.naming(name)
+        if name in holding or not keys:
+            continue
+        try:
+            async with aclosing(pool.iter_keys(name, MANIFESTS, page=1)) as pages:
+                if [page async for page in pages if page]:
+                    continue
+        except StoreError as e:     # down: what it holds is unknown (read() logged its roster listing)
+            log.debug("roster: cannot tell whether store %r is blank: %s", name, e)
+            continue
+        out[name] = sorted({s for k in keys for s in listed.where[k]})
+    return out
+
+
+def describe_blank(pool: StorePool, blank_stores: dict[str, list[str]]) -> str:
+    """Why a blank store must not be used, and what to do (see `blank`)."""
+    where = "; ".join(f"store {n!r} ({pool.config.store(n).url}) is empty, but the roster on "
+                      f"{', '.join(map(repr, names))} names it" for n, names in sorted(blank_stores.items()))
+    return (f"{where}. It is not the store these mounts wrote to: mount its filesystem (or fix its URL); "
+            f"if it was replaced by a blank one on purpose, `cpfs scrub --repair` refills it first")
+
+
+async def require_present(pool: StorePool) -> None:
+    """ConfigError, before any write, if a store of the pool is blank (`blank`)."""
+    listed, problems = await read(pool)
+    for p in problems:
+        log.warning("roster: %s", p)
+    found = await blank(pool, listed)
+    if found:
+        raise ConfigError(f"{pool.config.source}: {describe_blank(pool, found)}")
+
+
+async def enroll(pool: StorePool, *, refill: bool = False) -> None:
+    """Put this config's enrollment on each of its stores that lacks it, after `require_present`
+    (`refill`: a blank store is taken in, as `cpfs scrub --repair` does, and logged). Best effort: a
+    store that fails is logged (gc reads the enrollment from any store that holds it)."""
+    if refill:
+        found = await blank(pool, (await read(pool))[0])
+        if found:
+            log.warning("%s: taken in as a replacement, to be refilled", describe_blank(pool, found))
+    else:
+        await require_present(pool)
     mine = Enrollment.of(pool)
 
     async def one(name: str) -> None:

@@ -11,7 +11,10 @@ import dataclasses
 import io
 import json
 import os
+import posixpath
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -37,7 +40,7 @@ from cpfs.store import FaultyStore, Store, StoreWrapper, ThrottledStore, open_st
 from cpfs.store.directory import TMP_SUFFIX
 from cpfs.upload import RENEW_EVERY
 from cpfs.writer import WriteSession
-from tests.conftest import cpfs
+from tests.conftest import ROOT, cpfs
 
 T = TypeVar("T")
 AGE = 7200.0                    # seconds: "old" chunks are aged this much, far beyond any grace here
@@ -844,6 +847,65 @@ async def test_an_enrollment_gone_from_one_store_still_counts_from_another(tmp_p
         return f
     listed, problems = await roster.read(_pool(full, wrap=gone))
     assert problems == [] and listed.stores == set()
+
+
+@pytest.mark.parametrize("how", ["folder gone", "empty mountpoint"])
+def test_stores_whose_filesystem_is_not_mounted_are_neither_written_nor_collected(tmp_path: Path, how: str) -> None:
+    """Stores s1 and s2 live on one file server, which is not mounted on this host: their folders are
+    gone, or are empty mountpoints. `cpfs put` and a mount refuse to start, naming both and what to
+    do, and write nothing (a put created the folders on the local disk and stored copies there, which
+    the remount hid); gc refuses and deletes nothing (it saw no version whose manifests live on s1 and
+    s2, and deleted their chunks on s0). Mounted again, every file reads back and gc runs; a blank
+    store put in on purpose is taken in by `cpfs scrub --repair`, after which a put works."""
+    cfg = _config(tmp_path)
+    names = ["s0", "s1", "s2"]
+    files = {f"/d/f{i}.bin": os.urandom(8 * 65536 + i) for i in range(12)
+             if set(place(path_hash(f"/d/f{i}.bin"), names, 2)) == {"s1", "s2"} or i < 2}
+    assert len(files) > 2
+    src = tmp_path / "d"
+    src.mkdir()
+    for path, data in files.items():
+        (src / posixpath.basename(path)).write_bytes(data)
+    cpfs("put", str(src), "/d", config=cfg)
+    _age_chunks(tmp_path)
+    stores = _stores_root(tmp_path)
+    for name in ("s1", "s2"):
+        (stores / name).rename(stores / f"{name}.server")
+        if how == "empty mountpoint":
+            (stores / name).mkdir()
+    on_s0 = sorted(p.relative_to(stores) for p in stores.glob("s0/**/*") if p.is_file())
+
+    r = cpfs("put", str(src / "f0.bin"), "/new.bin", config=cfg, check=False, text=True)
+    assert r.returncode != 0 and "store 's1'" in r.stderr and "store 's2'" in r.stderr, r.stderr
+    assert "is empty, but the roster on 's0' names it" in r.stderr and "scrub --repair" in r.stderr, r.stderr
+    (tmp_path / "mnt").mkdir()
+    r = subprocess.run([sys.executable, str(ROOT / "mount.py"), "--config", str(cfg), str(tmp_path / "mnt"),
+                        "--log-file", str(tmp_path / "mount.log")], capture_output=True, text=True, timeout=120)
+    if os.path.ismount(tmp_path / "mnt"):
+        subprocess.run(["fusermount3", "-u", str(tmp_path / "mnt")], capture_output=True)
+        pytest.fail("mounted over stores whose filesystem is not mounted")
+    assert r.returncode != 0 and "store 's1'" in r.stderr and "is empty" in r.stderr, r.stderr
+    r = cpfs("gc", config=cfg, check=False, text=True)
+    assert r.returncode == 1 and "is empty, but the roster" in r.stderr, r.stderr
+    for name in ("s1", "s2"):
+        assert not (stores / name).exists() if how == "folder gone" else not any((stores / name).iterdir())
+    assert sorted(p.relative_to(stores) for p in stores.glob("s0/**/*") if p.is_file()) == on_s0
+
+    for name in ("s1", "s2"):             # mounted again
+        if how == "empty mountpoint":
+            (stores / name).rmdir()
+        (stores / f"{name}.server").rename(stores / name)
+    for path, data in files.items():
+        assert cpfs("cat", path, config=cfg).stdout == data
+    assert cpfs("gc", config=cfg, check=False).returncode == 0
+
+    shutil.rmtree(stores / "s2")          # its disk replaced by a blank one, on purpose
+    (stores / "s2").mkdir()
+    assert cpfs("put", str(src / "f0.bin"), "/new.bin", config=cfg, check=False).returncode != 0
+    assert cpfs("scrub", "--repair", config=cfg, check=False).returncode == 0
+    cpfs("put", str(src / "f0.bin"), "/new.bin", config=cfg)
+    for path, data in [*files.items(), ("/new.bin", files["/d/f0.bin"])]:
+        assert cpfs("cat", path, config=cfg).stdout == data
 
 
 async def test_gc_takes_the_longest_gc_grace_a_writer_enrolled(tmp_path: Path) -> None:
