@@ -326,7 +326,8 @@ async def cmd_stats(config: Config, args: argparse.Namespace) -> int:
 
 
 async def cmd_gc(config: Config, args: argparse.Namespace) -> int:
-    """Delete unreferenced chunks and leftovers older than the grace (cpfs/gc.py); exit 1 if it refused."""
+    """Delete unreferenced chunks and leftovers older than the grace (cpfs/gc.py); exit 1 if it refused
+    or a request failed."""
     from .gc import GarbageCollector
 
     grace = config.gc_grace if args.grace is None else args.grace
@@ -338,7 +339,7 @@ async def cmd_gc(config: Config, args: argparse.Namespace) -> int:
     pool, _ = await _open(config)
     report = await GarbageCollector(pool, grace=grace, dry_run=args.dry_run, forget=args.forget_store).run()
     print(json.dumps(report.to_json(), indent=1) if args.json else "\n".join(report.lines(_human)))
-    return 1 if report.refused else 0
+    return 0 if report.ok else 1
 
 
 def _grace(text: str) -> float:

@@ -139,6 +139,13 @@ class GcReport:
     purged: int = 0           # removed paths whose history (every version) was deleted after keep_removed
     holds: int = 0            # live holds read (cpfs/holds.py: versions mounts have open)
     held: int = 0             # chunks no kept version names that live holds kept
+    failed: int = 0           # deletions of records, histories and lapsed holds that failed (logged)
+
+    @property
+    def ok(self) -> bool:
+        """It ran and every request succeeded (`cpfs gc` exits 1 otherwise: a cron job that cannot
+        delete, a full store never freed, is seen)."""
+        return not self.refused and not self.failed and not any(s.errors for s in self.stores)
 
     @property
     def freed_objects(self) -> int:
@@ -153,7 +160,7 @@ class GcReport:
                 "referenced_chunks": self.referenced, "refused": self.refused or None,
                 "freed_objects": self.freed_objects, "freed_bytes": self.freed_bytes,
                 "transactions": self.transactions, "abandoned": self.abandoned, "purged": self.purged,
-                "holds": self.holds, "held_chunks": self.held,
+                "holds": self.holds, "held_chunks": self.held, "failed": self.failed,
                 "stores": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.stores]}
 
     def lines(self, size: Callable[[float], str] = lambda n: f"{int(n)} B") -> list[str]:
@@ -173,7 +180,8 @@ class GcReport:
                    f"{size(self.freed_bytes)}; {self.transactions} transaction records no version names, "
                    f"{self.abandoned} versions of transactions that never committed; {self.purged} removed "
                    f"paths' history purged (removed longer than keep_removed ago); {self.held} chunks kept "
-                   f"for versions that mounts have open ({self.holds} holds)")
+                   f"for versions that mounts have open ({self.holds} holds)"
+                   + (f"; {self.failed} deletions of records, histories or holds failed" if self.failed else ""))
         return out
 
 
@@ -217,6 +225,7 @@ class GarbageCollector:
         self.forget = frozenset(forget)
         self.keep_removed = pool.config.keep_removed if keep_removed is None else keep_removed
         self.purged = 0                                 # removed paths purged by this run
+        self._failed = 0                                # deletions outside the sweep that failed
         self._written: dict[str, float] = {}            # key -> its newest copy's store mtime (`_list`)
 
     async def _checked_roster(self) -> str:
@@ -289,7 +298,7 @@ class GarbageCollector:
         async with trio.open_nursery() as n:
             for name in self.pool.names:
                 n.start_soon(self._sweep, tallies[name], referenced, cutoff)
-        out = GcReport(**report, refused="", stores=tuple(t.snapshot() for t in tallies.values()))
+        out = GcReport(**report, refused="", failed=self._failed, stores=tuple(t.snapshot() for t in tallies.values()))
         log.info("gc%s: %d versions name %d chunks; %s %d objects, %d bytes", " (dry run)" if self.dry_run else "",
                  read, len(referenced), "would free" if self.dry_run else "freed", out.freed_objects,
                  out.freed_bytes)
@@ -445,6 +454,7 @@ class GarbageCollector:
                     log.info("gc: deleted hold %s on store %r: past its lease (its mount is gone)", key, name)
             except StoreError as e:
                 log.warning("gc: could not delete the lapsed hold %s on store %r: %s", key, name, e)
+                self._failed += 1
 
     async def _deleted(self, key: str, names: list[str]) -> bool:
         """Delete `key` on every store that listed it; whether every deletion succeeded (failures logged)."""
@@ -454,6 +464,7 @@ class GarbageCollector:
                 await self.pool.delete(name, key)
             except StoreError as e:
                 log.warning("gc: could not delete %s on store %r: %s", key, name, e)
+                self._failed += 1
                 ok = False
         return ok
 

@@ -45,7 +45,7 @@ import trio
 
 from . import chunk as chunkfmt
 from .catalog import PREFIX, TXN_PREFIX, Catalog, VersionRef, current_of, txn_key, voided
-from .errors import CorruptChunk, ManifestError, NoSuchObject, StoreError
+from .errors import CorruptChunk, ManifestError, NoSuchObject, NotFound, StoreError
 from .manifest import SUMMARY_MAX, Manifest, Summary, normalize_path, path_hash
 from .placement import place
 from .pool import StorePool
@@ -203,6 +203,8 @@ class Scrubber:
         groups = await self._groups()
         if scope:
             groups = await self._in_scope(groups, scope)
+            if not groups:      # a mistyped path: not a clean bill of health
+                raise NotFound(f"{', '.join(scope)}: no file or folder there, nothing scrubbed")
         self._t.add("manifests", len(groups))
         self._t.add("versions", sum(len(g) for g in groups.values()))
         self._t.phase = "manifests"

@@ -1133,11 +1133,51 @@ async def test_a_purge_cut_short_leaves_the_path_removed(tmp_path: Path) -> None
 
     report = await GarbageCollector(_pool(cfg, refusing), grace=GRACE, keep_removed=0, settle=0).run()
     assert report.purged == 1
+    assert report.failed == 2 and not report.ok     # `cpfs gc` exits 1: it exited 0 (an audit's find)
+    assert "2 deletions of records, histories or holds failed" in report.lines()[-1]
     with pytest.raises(NotFound):
         await Writer(tmp_path, cfg, "b2").catalog.get("/old.pt")
     assert [i.ref.state for i in await Writer(tmp_path, cfg, "c3").catalog.history("/old.pt")] == ["deleted", "ok"]
-    assert (await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()).purged == 1
+    again = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()
+    assert again.purged == 1 and again.ok
     assert not list(_stores_root(tmp_path).glob(f"s*/manifests/{h}/*"))
+
+
+def test_gc_whose_deletions_fail_exits_1(tmp_path: Path) -> None:
+    """A store that refuses every deletion (read-only, full of a quota's errors): `cpfs gc` reports the
+    failed requests and exits 1, so that the cron job that runs it is seen to fail. It exited 0 while
+    nothing was ever freed (an audit's find). With the store writable again it exits 0."""
+    cfg = _config(tmp_path)
+    src = tmp_path / "x.bin"
+    src.write_bytes(os.urandom(SIZE))
+    cpfs("put", str(src), "/x.bin", config=cfg)
+    cpfs("rm", "/x.bin", config=cfg)
+    cpfs("put", str(src), "/y.bin", config=cfg)     # a roster, and a version: gc runs
+    src.write_bytes(os.urandom(SIZE))
+    cpfs("put", str(src), "/y.bin", config=cfg)
+    cpfs("put", str(src), "/y.bin", config=cfg)
+    (tmp_path / "z.bin").write_bytes(os.urandom(SIZE))
+    cpfs("put", str(tmp_path / "z.bin"), "/z.bin", config=cfg)
+    cpfs("put", str(src), "/z.bin", config=cfg)
+    cpfs("put", str(src), "/z.bin", config=cfg)     # z's first version retired: its chunks unreferenced
+    _age_chunks(tmp_path)
+    chunks = _stores_root(tmp_path) / "s0" / "chunks"
+    folders = [chunks, *chunks.iterdir()]
+    try:
+        for d in folders:
+            subprocess.run(["chattr", "+i", str(d)], check=True, capture_output=True)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"chattr +i: {e.stderr.decode().strip()} (a filesystem without immutable folders)")
+    try:
+        r = cpfs("gc", "--json", config=cfg, check=False, text=True)
+    finally:
+        for d in folders:
+            subprocess.run(["chattr", "-i", str(d)], check=True, capture_output=True)
+    report = json.loads(r.stdout)
+    s0 = next(s for s in report["stores"] if s["name"] == "s0")
+    assert r.returncode == 1 and s0["errors"] > 0 and s0["deleted"] == 0, (r.stdout, r.stderr)
+    r = cpfs("gc", "--json", config=cfg, check=False, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["freed_objects"] > 0
 
 
 @pytest.mark.parametrize("rotten", [0, 1])

@@ -127,6 +127,9 @@ def test_healthy_tree_scrubs_clean(tmp_path: Path) -> None:
     assert _objects(config) == before
     r = cpfs("scrub", config=config)
     assert r.returncode == 0 and b"ok: every chunk and version has its replicas" in r.stdout
+    # A mistyped path is no clean bill of health: it said ok and exited 0 (an audit's find).
+    r = cpfs("scrub", "/no/such/run", config=config, check=False, text=True)
+    assert r.returncode == 1 and "/no/such/run: no file or folder there" in r.stderr, (r.stdout, r.stderr)
 
 
 async def test_scrubber_in_process_is_bounded(tmp_path: Path) -> None:
