@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 import secrets
 import socket
@@ -79,6 +80,7 @@ TXN_PREFIX = "txns/"
 _TXN_KEY = re.compile(r"txns/([0-9a-f]{16})(\.failed)?\.json")
 _LEGACY = re.compile(r"manifests/([0-9a-f]{40})\.json")
 _FETCHES = 32                             # summaries read at once by a full listing
+FOLDERS_SEEN = 1.0                        # seconds a folder checked by a commit below it stays checked
 _KEEP_PARSED = 256                        # full manifests kept parsed (the namespace keeps its own)
 VOID_RETRY = 10.0                         # seconds between a mount's tries of the keys no store took
 
@@ -186,6 +188,12 @@ def counted(refs: list[VersionRef], committed: Container[str] = ()) -> list[Vers
     return [r for r in refs if (r.state == "failed" or r.order not in void) and (not r.txn or r.txn in committed)]
 
 
+def _folders_above(path: str) -> list[str]:
+    """"/a/b/c" -> ["/a", "/a/b"]: the folders a path lies in, below the root."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
 def current_of(refs: list[VersionRef], committed: Container[str] = ()) -> VersionRef | None:
     """The version that is the path now (None: never committed), by key names alone and the
     transactions known to have committed."""
@@ -216,6 +224,7 @@ class Catalog:
         self._transactions = self._voided = 0
         self._journal = journal or VoidJournal(None)
         self._unvoided = self._journal.pending()  # twin or marker key -> bytes: no store took it yet
+        self._folders_seen: dict[str, float] = {} # folder -> when a commit below it found it no file
 
     def statistics(self) -> CatalogStats:
         return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
@@ -521,6 +530,7 @@ class Catalog:
         if len(plan) == 1:
             m, state = plan[0]
             return [await self._commit(m, state, "", replacing.get(m.path))][:len(writes)]
+        await self._under_folders([m.path for m in writes])
         await self.retry_voids()
         txn = secrets.token_hex(8)
         written: list[tuple[list[str], str]] = []      # (stores, key) of the versions, to take back on failure
@@ -676,8 +686,34 @@ class Catalog:
         self._summaries[ref.key] = new.summary
         where[ref.key] = held
 
+    async def _under_folders(self, paths: Iterable[str]) -> None:
+        """NotADirectory if a folder a version is committed below is a file now: another mount removed
+        it and saved a file (or a symlink) under its name. Committed anyway, the version was hidden
+        below that file in every listing, a save that returned success and no mount showed (an
+        audit's find). Each folder is looked up at most every FOLDERS_SEEN s, all at once; a lookup
+        that cannot tell (stores down, an unreadable version) lets the commit go on."""
+        now = trio.current_time()
+        todo = {a for p in paths for a in _folders_above(p) if now - self._folders_seen.get(a, -math.inf) >= FOLDERS_SEEN}
+
+        async def kind(folder: str) -> Summary | None:
+            try:
+                return await self.current(folder)
+            except NotFound:
+                return None         # a folder made by its files' paths (or removed: its files show it)
+
+        out = await fan_out(kind, sorted(todo), catch=(ManifestError, StoreError))
+        for folder, s in sorted(out.results.items()):
+            if s is not None and not s.directory:
+                below = next(p for p in paths if p.startswith(folder + "/"))
+                raise NotADirectory(f"{below}: not saved: {folder} is a file now (committed elsewhere)")
+            self._folders_seen[folder] = now
+        if len(self._folders_seen) > 4096:
+            self._folders_seen = {f: t for f, t in self._folders_seen.items() if now - t < FOLDERS_SEEN}
+
     async def _commit(self, manifest: Manifest, state: str, reason: str,
                       replacing: tuple[int, str] | None = None) -> Manifest:
+        if state == "ok":
+            await self._under_folders([manifest.path])
         await self.retry_voids()
         refs, where, committed = await self._listed_refs(manifest.path)
         new, ref, targets = self._next(manifest, refs, state, reason)

@@ -910,6 +910,37 @@ async def test_a_new_name_in_a_folder_another_mount_removed_answers_enoent(tmp_p
                 await catalog.current(path)
 
 
+async def test_a_save_into_a_folder_another_mount_replaced_by_a_file_fails_and_says_so(tmp_path: Path) -> None:
+    """Mount B saves d/x while mount A removes folder d and saves a file d. B's close fails (ENOTDIR)
+    and nothing is committed under d; A's file d stays. The close succeeded and committed d/x below
+    the file d, where no listing of any mount showed it: a checkpoint said saved and not there (an
+    audit's find). A save into a folder that is still one (d2) commits as ever."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="sa", writer="aa") as (a, catalog), \
+            operations(tmp_path, staging="sb", writer="bb") as (b, _):
+        await a.mkdir(pyfuse3.ROOT_INODE, b"d", 0o755, ctx)
+        await a.mkdir(pyfuse3.ROOT_INODE, b"d2", 0o755, ctx)
+        await _listed_again(b)
+        handles = []
+        for folder in (b"d", b"d2"):
+            d = (await b.lookup(pyfuse3.ROOT_INODE, folder, ctx)).st_ino
+            fi, _ = await b.create(d, b"x", 0o644, os.O_WRONLY | os.O_CREAT, ctx)
+            assert await b.write(fi.fh, 0, b"the checkpoint") == 14
+            handles.append(fi.fh)
+        await a.rmdir(pyfuse3.ROOT_INODE, b"d", ctx)
+        await new_file(a, pyfuse3.ROOT_INODE, b"d", b"a file now")
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await b.flush(handles[0])
+        assert e.value.errno == errno.ENOTDIR
+        await b.release(handles[0])
+        await b.flush(handles[1])
+        await b.release(handles[1])
+        with pytest.raises(NotFound):
+            await catalog.current("/d/x")
+        assert (await catalog.current("/d")).size == len(b"a file now")
+        assert (await catalog.current("/d2/x")).size == 14
+
+
 async def test_a_file_another_mount_removed_opens_no_more(tmp_path: Path) -> None:
     """Mount B looked f up; mount A removes it. B's next open answers ESTALE (the kernel looks the name
     up again) and the lookup ENOENT, before any listing, as NFS does. The open went on reading the
