@@ -61,7 +61,7 @@ from typing import TypeVar
 import trio
 
 from .errors import (ChunkUnavailable, IsADirectory, ManifestError, NoSuchObject, NotADirectory, NotFound,
-                     StoreError, StoreUnavailable)
+                     Stale, StoreError, StoreUnavailable)
 from .manifest import SUMMARY_MAX, ChunkEntry, Manifest, Summary, path_hash
 from .placement import place
 from .pool import StorePool
@@ -192,6 +192,15 @@ def _folders_above(path: str) -> list[str]:
     """"/a/b/c" -> ["/a", "/a/b"]: the folders a path lies in, below the root."""
     parts = path.strip("/").split("/")[:-1]
     return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _not_removed_since(path: str, cur: VersionRef | None, seen: Mapping[str, tuple[int, str]],
+                       below: str | None = None) -> None:
+    """Stale if `path`'s current version is a removal newer than the version of it the writer saw."""
+    if cur is not None and cur.state == "deleted" and path in seen and cur.order > seen[path]:
+        what = f"{below}: not saved: its folder {path} was" if below else f"{path}: not saved: it was"
+        raise Stale(f"{what} removed or renamed by another mount while open here (the commit would "
+                    f"bring the old name back)")
 
 
 def current_of(refs: list[VersionRef], committed: Container[str] = ()) -> VersionRef | None:
@@ -515,13 +524,16 @@ class Catalog:
         return moved
 
     async def transact(self, writes: Sequence[Manifest], removes: Sequence[Manifest] = (),
-                       replacing: Mapping[str, tuple[int, str]] | None = None) -> list[Manifest]:
+                       replacing: Mapping[str, tuple[int, str]] | None = None,
+                       seen: Mapping[str, tuple[int, str]] | None = None) -> list[Manifest]:
         """Commit `writes` and remove the paths of `removes` all at once (see the module doc): returns
         the committed versions of `writes`, in order. On failure (a StoreError, or cancellation) no
         path has changed. `replacing`: path -> the order of a version of it that the new one replaces
         (a snapshot an fsync committed in the same write session): retired once the new one counts,
-        and never counted toward keep_versions."""
-        replacing = replacing or {}
+        and never counted toward keep_versions. `seen`: path of a write or of a folder above one ->
+        the order of its version the writer saw; Stale if a removal newer than that is current now
+        (another mount removed or renamed it meanwhile: the write would bring the old name back)."""
+        replacing, seen = replacing or {}, seen or {}
         plan = [(m, "ok") for m in writes] + [(self._tomb(m), "deleted") for m in removes]
         paths = [m.path for m, _ in plan]
         if len(set(paths)) != len(paths):
@@ -529,8 +541,8 @@ class Catalog:
         await self._renew_moved(writes)
         if len(plan) == 1:
             m, state = plan[0]
-            return [await self._commit(m, state, "", replacing.get(m.path))][:len(writes)]
-        await self._under_folders([m.path for m in writes])
+            return [await self._commit(m, state, "", replacing.get(m.path), seen)][:len(writes)]
+        await self._under_folders([m.path for m in writes], seen)
         await self.retry_voids()
         txn = secrets.token_hex(8)
         written: list[tuple[list[str], str]] = []      # (stores, key) of the versions, to take back on failure
@@ -538,6 +550,8 @@ class Catalog:
         async def stage(item: tuple[Manifest, str]) -> tuple[Manifest, VersionRef, list[VersionRef],
                                                                Listing, set[str]]:
             refs, where, committed = await self._listed_refs(item[0].path)
+            if item[1] == "ok":
+                _not_removed_since(item[0].path, current_of(refs, committed), seen)
             new, ref, targets = self._next(item[0], refs, item[1], "", txn)
             written.append((targets, ref.key))
             where[ref.key] = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
@@ -686,36 +700,46 @@ class Catalog:
         self._summaries[ref.key] = new.summary
         where[ref.key] = held
 
-    async def _under_folders(self, paths: Iterable[str]) -> None:
-        """NotADirectory if a folder a version is committed below is a file now: another mount removed
-        it and saved a file (or a symlink) under its name. Committed anyway, the version was hidden
-        below that file in every listing, a save that returned success and no mount showed (an
-        audit's find). Each folder is looked up at most every FOLDERS_SEEN s, all at once; a lookup
-        that cannot tell (stores down, an unreadable version) lets the commit go on."""
+    async def _under_folders(self, paths: Sequence[str], seen: Mapping[str, tuple[int, str]] = {}) -> None:
+        """Whether the folders a version is committed below are still there. NotADirectory if one is a
+        file now (another mount removed it and saved a file or a symlink under its name); Stale if
+        one the writer saw (`seen`, see transact) was removed or renamed since. Committed anyway, the
+        version was hidden below that file in every listing, or brought the old folder back with it
+        alone in it (a shard saved into `tmp/` as another host renamed it `step_100/`): a save that
+        returned success and was not where its writer put it (audits' finds). Each folder is looked
+        up at most every FOLDERS_SEEN s, all at once; a lookup that cannot tell (stores down, an
+        unreadable version) lets the commit go on."""
         now = trio.current_time()
         todo = {a for p in paths for a in _folders_above(p) if now - self._folders_seen.get(a, -math.inf) >= FOLDERS_SEEN}
 
-        async def kind(folder: str) -> Summary | None:
-            try:
-                return await self.current(folder)
-            except NotFound:
-                return None         # a folder made by its files' paths (or removed: its files show it)
+        async def kind(folder: str) -> tuple[VersionRef | None, Summary | None]:
+            refs, where, committed = await self._refs(folder)
+            if not self.listed_enough(folder, where.missed):
+                return None, None    # its newest versions may be on the stores that missed: cannot tell
+            cur = current_of(refs, committed)
+            if cur is None or cur.state == "deleted":
+                return cur, None     # none, or removed: a folder made by its files' paths shows it still
+            return cur, await self._summary(cur.key, where[cur.key])
 
         out = await fan_out(kind, sorted(todo), catch=(ManifestError, StoreError))
-        for folder, s in sorted(out.results.items()):
+        for folder, (cur, s) in sorted(out.results.items()):
+            below = next(p for p in paths if p.startswith(folder + "/"))
             if s is not None and not s.directory:
-                below = next(p for p in paths if p.startswith(folder + "/"))
                 raise NotADirectory(f"{below}: not saved: {folder} is a file now (committed elsewhere)")
+            _not_removed_since(folder, cur, seen, below)
             self._folders_seen[folder] = now
         if len(self._folders_seen) > 4096:
             self._folders_seen = {f: t for f, t in self._folders_seen.items() if now - t < FOLDERS_SEEN}
 
     async def _commit(self, manifest: Manifest, state: str, reason: str,
-                      replacing: tuple[int, str] | None = None) -> Manifest:
+                      replacing: tuple[int, str] | None = None,
+                      seen: Mapping[str, tuple[int, str]] = {}) -> Manifest:
         if state == "ok":
-            await self._under_folders([manifest.path])
+            await self._under_folders([manifest.path], seen)
         await self.retry_voids()
         refs, where, committed = await self._listed_refs(manifest.path)
+        if state == "ok":
+            _not_removed_since(manifest.path, current_of(refs, committed), seen)
         new, ref, targets = self._next(manifest, refs, state, reason)
         try:
             held = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)

@@ -95,6 +95,12 @@ class IsADirectory(CpfsError):
     errno = errno.EISDIR
 
 
+class Stale(CpfsError):
+    """The file, or a folder above it, was removed or renamed by another mount while open here: its
+    commit would bring the old name back. ESTALE, as NFS answers for a file removed elsewhere."""
+    errno = errno.ESTALE
+
+
 class IncompleteFile(CpfsError):
     """A checkpoint (torch zip, safetensors) whose bytes stop before its end: kept only as a failed
     version, never made current (see cpfs/completeness.py)."""

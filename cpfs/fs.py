@@ -839,8 +839,20 @@ class CpfsOperations(pyfuse3.Operations):
             if not w.unlinked:        # an unlink while we waited: nothing is committed
                 await self._commit_named(node, w, closing)
 
+    def _seen(self, node: Node) -> dict[str, tuple[int, str]]:
+        """The versions this mount shows of a file and of the folders made with mkdir above it (see
+        WriteSession.seen: a commit after another mount removed or renamed one of them fails)."""
+        out = {node.path: node.summary.order} if node.summary is not None else {}
+        parts = node.path.strip("/").split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            folder = self.ns.nodes.get(self.ns.by_path.get("/" + "/".join(parts[:i]), -1))
+            if folder is not None and folder.summary is not None:
+                out[folder.path] = folder.summary.order
+        return out
+
     async def _commit_named(self, node: Node, w: Writing, closing: bool) -> None:
         w.session.path, w.session.also = node.path, list(node.aliases)
+        w.session.seen = self._seen(node)
         with self._changing(*node.names):
             commits = w.session.statistics().commits
             try:

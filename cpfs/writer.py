@@ -67,7 +67,7 @@ import trio
 from .catalog import Catalog
 from .chunking import BoundaryScanner, ReadAt, chunk_end, cut, cut_points
 from .completeness import incomplete_reason
-from .errors import CpfsError, IncompleteFile, StoreError, WriteFailed
+from .errors import CpfsError, IncompleteFile, Stale, StoreError, WriteFailed
 from .manifest import ChunkEntry, Manifest, normalize_path
 from .pool import StorePool
 from .staging import Spans, StagingError, StagingFile
@@ -168,6 +168,9 @@ class WriteSession:
         self._cs = self._cfg.chunk_size
         self.path = normalize_path(path)  # the FUSE layer may reassign it (rename while open)
         self.also: list[str] = []         # the file's other names (hard links): each commit is theirs too
+        # The path and the folders above it -> the order of their versions the writer saw (the FUSE
+        # layer sets it before each commit): a commit after another mount removed or renamed one fails.
+        self.seen: dict[str, tuple[int, str]] = {}
         self.mode = mode & 0o7777
         # Owner, group, atime and extended attributes of the commits (Manifest fields; the FUSE layer
         # sets them, see set_attributes); ctime is the commit's time.
@@ -192,7 +195,7 @@ class WriteSession:
         # the next commit replaces, so that a writer's fsyncs do not retire the versions before it.
         self._snapshot: dict[str, tuple[int, str]] = {}
         self._poisoned: tuple[str, int] | None = None   # why and errno: a write or truncate failed
-        self._refused: tuple[int, str] | None = None    # (mod, message) last recorded as a failed version
+        self._refused: tuple[int, CpfsError] | None = None   # (mod, why) last recorded as a failed version
         self._clean: dict[Span, tuple[ChunkEntry, bool]] = {}
         self._clean_keys: list[Span] = []     # sorted
         self._max_span = self._cs
@@ -872,7 +875,7 @@ class WriteSession:
     async def _commit(self, closing: bool) -> Manifest | None:
         size, mod = self._size, self._mod
         if closing and self._refused is not None and self._refused[0] == mod:
-            raise IncompleteFile(self._refused[1])  # already recorded as a failed version
+            raise self._refused[1]                  # already recorded as a failed version
         index, points = await self._layout(size)
         reason = await self._incomplete(size, index)
         spans = cut(size, self._cs, points)
@@ -885,7 +888,14 @@ class WriteSession:
             return await self._refuse(manifest, mod, reason, closing)
         # One transaction: every name of the file (hard links) shows the new version, or none does. It
         # replaces the snapshot the last fsync committed, if that was the session's last commit.
-        committed = await self._catalog.transact(manifest.at([self.path, *self.also]), replacing=self._snapshot)
+        try:
+            committed = await self._catalog.transact(manifest.at([self.path, *self.also]), replacing=self._snapshot,
+                                                     seen=self.seen)
+        except Stale as e:
+            if not closing:
+                raise
+            self._refused = (mod, Stale(f"{e}; {await self._keep_failed(manifest, str(e))}"))
+            raise self._refused[1] from None
         self._snapshot = {} if closing else {m.path: m.order for m in committed}
         manifest = committed[0]
         self._uploader.settled(e.digest for e in entries)
@@ -908,13 +918,17 @@ class WriteSession:
             log.info("%s: fsync of an incomplete file: %d chunks stored, no version recorded (%s)",
                      self.path, len(manifest.chunks), reason)
             return None
+        kept = await self._keep_failed(manifest, reason)
+        self._refused = (mod, IncompleteFile(f"{self.path}: not committed, the file is incomplete: {reason}; {kept}"))
+        raise self._refused[1]
+
+    async def _keep_failed(self, manifest: Manifest, reason: str) -> str:
+        """Record bytes that are not committed as a failed version of the path (never current; `cpfs
+        log` lists it, `cpfs restore` brings it back); what became of them, for the error."""
         try:
             failed = await self._catalog.commit_failed(manifest, reason)
             self._uploader.settled(e.digest for e in manifest.chunks)
-            kept = f"its {manifest.size} bytes are kept as failed version {failed.version}"
+            return f"its {manifest.size} bytes are kept as failed version {failed.version} (cpfs log {self.path})"
         except StoreError as e:
-            log.warning("%s: could not record the incomplete file as a failed version: %s", self.path, e)
-            kept = "it could not be kept as a failed version"
-        message = f"{self.path}: not committed, the file is incomplete: {reason}; {kept}"
-        self._refused = (mod, message)
-        raise IncompleteFile(message)
+            log.warning("%s: could not record the bytes not committed as a failed version: %s", self.path, e)
+            return "they could not be kept as a failed version"

@@ -941,6 +941,59 @@ async def test_a_save_into_a_folder_another_mount_replaced_by_a_file_fails_and_s
         assert (await catalog.current("/d2/x")).size == 14
 
 
+@pytest.mark.parametrize("what", ["folder renamed", "folder removed", "file renamed", "file removed", "file saved"])
+async def test_a_save_whose_file_or_folder_another_mount_moved_fails_and_keeps_its_bytes(tmp_path: Path,
+                                                                                        what: str) -> None:
+    """Mount B has d/f open for writing (a shard of a checkpoint, a log appended to) when mount A renames
+    or removes folder d, or the file itself. B's close fails with ESTALE, commits nothing under the old
+    name, and keeps its bytes as a failed version of it (`cpfs log`, `cpfs restore`). It succeeded and
+    brought the old name back: d/f alone in a folder d thought gone, and the renamed folder without the
+    shard (an audit's find, with rsync-like tools and two mounts). Another mount's newer save of the
+    file is no removal: the last close wins, as before."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="sa", writer="aa") as (a, catalog), \
+            operations(tmp_path, staging="sb", writer="bb") as (b, _):
+        d = await a.mkdir(pyfuse3.ROOT_INODE, b"d", 0o755, ctx)
+        await new_file(a, d.st_ino, b"f", b"first lines\n")
+        await _listed_again(b)
+        bd = (await b.lookup(pyfuse3.ROOT_INODE, b"d", ctx)).st_ino
+        fh = (await b.open((await b.lookup(bd, b"f", ctx)).st_ino, os.O_WRONLY, ctx)).fh
+        assert await b.write(fh, 12, b"B's lines\n") == 10
+        if what == "folder renamed":
+            await a.rename(pyfuse3.ROOT_INODE, b"d", pyfuse3.ROOT_INODE, b"e", 0, ctx)
+        elif what == "folder removed":
+            await a.unlink(d.st_ino, b"f", ctx)
+            await a.rmdir(pyfuse3.ROOT_INODE, b"d", ctx)
+        elif what == "file renamed":
+            await a.rename(d.st_ino, b"f", d.st_ino, b"f.1", 0, ctx)
+        elif what == "file removed":
+            await a.unlink(d.st_ino, b"f", ctx)
+        else:
+            await a.release(await save(a, (await a.lookup(d.st_ino, b"f", ctx)).st_ino, b"A's save"))
+        if what == "file saved":
+            await b.flush(fh)
+            await b.release(fh)
+            m = await catalog.get("/d/f")
+            assert await catalog.pool.fetch_chunk(m.chunks[0], "/d/f") == b"first lines\nB's lines\n"
+            return
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await b.flush(fh)
+        assert e.value.errno == errno.ESTALE
+        await b.release(fh)
+        with pytest.raises(NotFound):
+            await catalog.current("/d/f")
+        if what == "folder removed":
+            with pytest.raises(NotFound):
+                await catalog.current("/d")
+        [kept] = [i for i in await catalog.history("/d/f") if i.ref.state == "failed"]
+        m = await catalog.get_version("/d/f", kept.ref.version)
+        assert await catalog.pool.fetch_chunk(m.chunks[0], "/d/f") == b"first lines\nB's lines\n"
+        moved = {"folder renamed": "/e/f", "file renamed": "/d/f.1"}.get(what)
+        if moved:
+            m = await catalog.get(moved)
+            assert await catalog.pool.fetch_chunk(m.chunks[0], moved) == b"first lines\n"
+
+
 async def test_a_file_another_mount_removed_opens_no_more(tmp_path: Path) -> None:
     """Mount B looked f up; mount A removes it. B's next open answers ESTALE (the kernel looks the name
     up again) and the lookup ENOENT, before any listing, as NFS does. The open went on reading the
