@@ -6,9 +6,12 @@ because a typo in a store list must never silently mean "one replica fewer".
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+REALPATH_PATIENCE = 2.0     # seconds a folder's real path may take (a hung NFS or FUSE store never answers)
+_real: dict[str, Path] = {}
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
 
@@ -257,10 +265,35 @@ def _expand(path: str) -> str:
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env[m.group(1) or m.group(2)], path)
 
 
+def real_path(path: Path) -> Path:
+    """os.path.realpath, or, if the filesystem does not answer within REALPATH_PATIENCE, the path made
+    absolute (logged). realpath stats each component: on a hung store's folder (an NFS server gone,
+    a stuck FUSE mount) it waited in the kernel for good, so every mount and `cpfs` command of the
+    config hung unkillably before any store timeout applied (an audit's find). Asked of a child
+    process, which is left to the kernel if it hangs: a thread of ours stuck there would keep this
+    process from exiting (mount.py's launcher never returned). The answer is kept for the process."""
+    key = str(path)
+    if key not in _real:
+        try:
+            child = subprocess.Popen([sys.executable, "-I", "-S", "-c", "import os, sys; "
+                                      "sys.stdout.write(os.path.realpath(sys.argv[1]))", key],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except OSError:
+            return Path(os.path.realpath(key))
+        try:
+            out, _ = child.communicate(timeout=REALPATH_PATIENCE)
+            _real[key] = Path(os.fsdecode(out)) if child.returncode == 0 and out else Path(os.path.abspath(key))
+        except subprocess.TimeoutExpired:
+            child.kill()            # not waited for: it may be stuck in the kernel until the store answers
+            log.warning("%s does not answer (a hung filesystem?): compared by the path as written", key)
+            _real[key] = Path(os.path.abspath(key))
+    return _real[key]
+
+
 def overlap(here: Path, there: Path, real: bool = True) -> str | None:
     """How `here` overlaps `there`: 'is', 'is inside' or 'holds'; None if neither holds the other.
     `real`: folders on this machine, compared by their real paths (symlinks, '..' resolved)."""
-    a, b = (Path(os.path.realpath(here)), Path(os.path.realpath(there))) if real else (here, there)
+    a, b = (real_path(here), real_path(there)) if real else (here, there)
     return "is" if a == b else "is inside" if a.is_relative_to(b) else "holds" if b.is_relative_to(a) else None
 
 
@@ -435,7 +468,7 @@ def staging_dir(config: Config) -> Path:
 def store_set_id(config: Config) -> str:
     """A name for the config's set of stores (their names and where they are), for what a host keeps
     per store set under the staging folder (cpfs/voidjournal.py, cpfs/learned.py)."""
-    where = sorted(f"{s.name}\0{s.path.resolve() if s.path is not None else s.url}" for s in config.stores)
+    where = sorted(f"{s.name}\0{real_path(s.path) if s.path is not None else s.url}" for s in config.stores)
     return hashlib.sha256("\n".join(where).encode()).hexdigest()[:24]
 
 

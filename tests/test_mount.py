@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -275,6 +276,72 @@ def test_unmount_ends_the_daemon_with_status_zero(imported, tmp_path):
                 subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True)
                 proc.kill()
                 proc.wait()
+
+
+class HungFolder:
+    """A folder on a filesystem that never answers (tests/hungfs.py), as on a hung NFS server. `stop`
+    kills its process (by pid) and unmounts it lazily, which fails every request still waiting: only
+    then can a process with a thread stuck there exit (the kernel waits for a request it handed over)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir()
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hungfs.py"), str(path)],
+                                     stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+
+
+@pytest.fixture
+def hung_folder(tmp_path: Path) -> Iterator[HungFolder]:
+    h = HungFolder(tmp_path / "hung")
+    try:
+        assert h.proc.stdout is not None and h.proc.stdout.readline().strip() == "ready"
+        yield h
+    finally:
+        h.stop()
+
+
+def _output_within(args: list[str], out: Path, want: bytes, seconds: float) -> subprocess.Popen:
+    """Start a command writing to `out`; return once `out` holds `want` (its exit may wait for a
+    thread stuck on the hung store), or fail after `seconds`."""
+    proc = subprocess.Popen(args, stdout=out.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.monotonic() + seconds
+    while want not in out.read_bytes():
+        assert time.monotonic() < deadline, f"{args[4:]}: no answer in {seconds} s: {out.read_bytes()[-500:]!r}"
+        time.sleep(0.1)
+    return proc
+
+
+def test_a_store_on_a_hung_filesystem_holds_up_no_command_or_mount(tmp_path: Path, hung_folder: HungFolder,
+                                                                   mount) -> None:
+    """Store s2's folder is on a filesystem that stopped answering (an NFS server gone). `cpfs ls`,
+    `cpfs cat` and a mount start, mark s2 down after its timeout and serve from the other replicas:
+    the bytes are the file's. Before, each stat'ed the folder while reading the config (to compare
+    stores by real path) and waited in the kernel for good, before any store timeout (an audit's
+    find); mount.py never returned."""
+    cfg = write_config(tmp_path / "cfg", extra='[store_defaults]\ntimeout = "3s"')
+    data = os.urandom(5 * 2**20 + 17)
+    (tmp_path / "f.bin").write_bytes(data)
+    cpfs("put", str(tmp_path / "f.bin"), "/f.bin", config=cfg)
+    text = cfg.read_text().replace('url = "stores/s2"', f'url = "{hung_folder.path / "s2"}"')
+    cfg.write_text(text)
+    cli = [sys.executable, "-m", "cpfs.cli", "--config", str(cfg)]
+    started = [_output_within([*cli, "ls", "/"], tmp_path / "ls.out", b"f.bin", 60),
+               _output_within([*cli, "cat", "/f.bin"], tmp_path / "cat.out", data, 60)]
+    assert b"does not answer" in (tmp_path / "ls.out").read_bytes()
+    try:
+        m = mount(cfg)
+        assert (m.path / "f.bin").read_bytes() == data
+        assert "store 's2' marked down" in m.log.read_text()
+    finally:
+        hung_folder.stop()             # before the mount's teardown: its daemon exits once s2 answers
+        for p in started:
+            p.wait(timeout=60)
 
 
 def test_mount_errors_are_one_clear_line_and_leave_nothing_mounted(imported, tmp_path, mount):

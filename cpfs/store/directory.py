@@ -151,7 +151,9 @@ class DirectoryStore(Store):
         self.dir_mode = dir_mode
         # Once the folder has existed, it is never made again: if it vanishes (an unmounted NFS
         # export, a lost disk), puts must fail rather than start an empty store in its place.
-        self._root_seen = self.root.is_dir()
+        # Whether the folder existed when first looked at (or we made it): looked at by the first
+        # request, in its thread, not here: on a hung filesystem a stat here hung the process for good.
+        self._root_seen: bool | None = None
         self._direct = True           # O_DIRECT chunk reads, until the filesystem refuses them
         self._direct_lock = threading.Lock()
 
@@ -180,6 +182,7 @@ class DirectoryStore(Store):
 
     def _guarded(self, fn, *args):
         """A missing file is a missing object, unless the whole folder is gone: then the store is."""
+        self._saw_root()
         try:
             return fn(*args)
         except FileNotFoundError:
@@ -189,7 +192,12 @@ class DirectoryStore(Store):
 
     def _gone(self) -> bool:
         """The folder existed and has vanished (an unmounted export, a lost disk). Blocking."""
-        return self._root_seen and not self.root.is_dir()
+        return self._saw_root() and not self.root.is_dir()
+
+    def _saw_root(self) -> bool:
+        if self._root_seen is None:
+            self._root_seen = self.root.is_dir()
+        return self._root_seen
 
     @staticmethod
     def _read_sync(path: Path) -> bytes:
@@ -266,6 +274,7 @@ class DirectoryStore(Store):
         pages into aligned places): a batch of small chunks takes one chunk-sized buffer, whose pages the
         pool keeps backed (cpfs/buffers.py), instead of a fresh one per chunk. The buffer stays taken
         while any of its objects' views lives (the cache holds raw chunks as views)."""
+        self._saw_root()
         opened: list[tuple[int, int, bool] | StoreError] = []   # (fd, size, O_DIRECT), or why not read
         try:
             for key, _ in reads:
@@ -488,7 +497,7 @@ class DirectoryStore(Store):
             _fsync_dir(d.parent)
 
     def _put_sync(self, path: Path, data: bytes | memoryview) -> None:
-        if not self._root_seen:
+        if not self._saw_root():
             self._makedirs(self.root, Path(self.root.anchor))   # a new store: its first put makes it
             self._root_seen = True
         elif not self.root.is_dir():
