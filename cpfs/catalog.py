@@ -710,7 +710,8 @@ class Catalog:
         up at most every FOLDERS_SEEN s, all at once; a lookup that cannot tell (stores down, an
         unreadable version) lets the commit go on."""
         now = trio.current_time()
-        todo = {a for p in paths for a in _folders_above(p) if now - self._folders_seen.get(a, -math.inf) >= FOLDERS_SEEN}
+        todo = {a for p in paths for a in _folders_above(p)
+                if now - self._folders_seen.get(a, -math.inf) >= FOLDERS_SEEN}
 
         async def kind(folder: str) -> tuple[VersionRef | None, Summary | None]:
             refs, where, committed = await self._refs(folder)

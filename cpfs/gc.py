@@ -70,7 +70,8 @@ Assumptions (the caveats):
    half of its own): `cpfs gc` refuses a `--grace` below its own config's gc_grace, and raises it to the
    longest gc_grace the stores' roster holds (cpfs/roster.py: every writer enrolls its config).
 4. gc runs with the mounts' stores (their config): it refuses while the roster names a store its config
-   lacks, or a store it has lists nothing although the roster names it (an unmounted filesystem). And a listing shows every key written before it began (folders; S3 and current RGW/MinIO are
+   lacks, or a store it has lists nothing although the roster names it (an unmounted filesystem).
+   And a listing shows every key written before it began (folders; S3 and current RGW/MinIO are
    strongly consistent).
 5. A file written through a mount without O_TRUNC commits its unchanged base chunks by reference,
    unchecked, and a session's later commits the chunks its earlier ones named: the mount holds the
