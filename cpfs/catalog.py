@@ -188,7 +188,7 @@ def counted(refs: list[VersionRef], committed: Container[str] = ()) -> list[Vers
     return [r for r in refs if (r.state == "failed" or r.order not in void) and (not r.txn or r.txn in committed)]
 
 
-def _folders_above(path: str) -> list[str]:
+def folders_above(path: str) -> list[str]:
     """"/a/b/c" -> ["/a", "/a/b"]: the folders a path lies in, below the root."""
     parts = path.strip("/").split("/")[:-1]
     return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
@@ -710,7 +710,7 @@ class Catalog:
         up at most every FOLDERS_SEEN s, all at once; a lookup that cannot tell (stores down, an
         unreadable version) lets the commit go on."""
         now = trio.current_time()
-        todo = {a for p in paths for a in _folders_above(p)
+        todo = {a for p in paths for a in folders_above(p)
                 if now - self._folders_seen.get(a, -math.inf) >= FOLDERS_SEEN}
 
         async def kind(folder: str) -> tuple[VersionRef | None, Summary | None]:

@@ -50,7 +50,7 @@ import pyfuse3
 import trio
 
 from . import buffers, openers, plan, stats
-from .catalog import Catalog, Snapshot, Unreadable
+from .catalog import Catalog, Snapshot, Unreadable, folders_above
 from .chunking import READ_BLOCK
 from .config import Config
 from .errors import (CpfsError, Exists, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound,
@@ -843,11 +843,10 @@ class CpfsOperations(pyfuse3.Operations):
         """The versions this mount shows of a file and of the folders made with mkdir above it (see
         WriteSession.seen: a commit after another mount removed or renamed one of them fails)."""
         out = {node.path: node.summary.order} if node.summary is not None else {}
-        parts = node.path.strip("/").split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            folder = self.ns.nodes.get(self.ns.by_path.get("/" + "/".join(parts[:i]), -1))
+        for path in folders_above(node.path):
+            folder = self.ns.nodes.get(self.ns.by_path.get(path, -1))
             if folder is not None and folder.summary is not None:
-                out[folder.path] = folder.summary.order
+                out[path] = folder.summary.order
         return out
 
     async def _commit_named(self, node: Node, w: Writing, closing: bool) -> None:

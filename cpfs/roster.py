@@ -21,7 +21,7 @@ enrolls on every store of its config, so a store that lists no enrollment and no
 enrollment on another store names it is not the store the mounts wrote to: a network filesystem not
 mounted (its empty mountpoint, or no folder at all: the first put created one on the local disk, and
 the copies written there vanished under the remount), another bucket, a disk swapped for a blank one.
-Writers refuse to start on it (`require_present`), and gc refuses to run: with two such stores the
+Writers refuse to start on it (`enroll`), and gc refuses to run: with two such stores the
 versions whose manifests live only there go unseen and gc deleted their chunks on the others (an
 audit's find). A blank store put in on purpose is taken in by `cpfs scrub --repair`, which refills it.
 
@@ -144,26 +144,17 @@ def describe_blank(pool: StorePool, blank_stores: dict[str, list[str]]) -> str:
             f"if it was replaced by a blank one on purpose, `cpfs scrub --repair` refills it first")
 
 
-async def require_present(pool: StorePool) -> None:
-    """ConfigError, before any write, if a store of the pool is blank (`blank`)."""
+async def enroll(pool: StorePool, *, refill: bool = False) -> None:
+    """Put this config's enrollment on each of its stores that lacks it; first, ConfigError if a store
+    is blank (`blank`), unless `refill` (`cpfs scrub --repair` takes it in, logged). Best effort: a
+    store that fails is logged (gc reads the enrollment from any store that holds it)."""
     listed, problems = await read(pool)
     for p in problems:
         log.warning("roster: %s", p)
-    found = await blank(pool, listed)
-    if found:
-        raise ConfigError(f"{pool.config.source}: {describe_blank(pool, found)}")
-
-
-async def enroll(pool: StorePool, *, refill: bool = False) -> None:
-    """Put this config's enrollment on each of its stores that lacks it, after `require_present`
-    (`refill`: a blank store is taken in, as `cpfs scrub --repair` does, and logged). Best effort: a
-    store that fails is logged (gc reads the enrollment from any store that holds it)."""
-    if refill:
-        found = await blank(pool, (await read(pool))[0])
-        if found:
-            log.warning("%s: taken in as a replacement, to be refilled", describe_blank(pool, found))
-    else:
-        await require_present(pool)
+    if found := await blank(pool, listed):
+        if not refill:
+            raise ConfigError(f"{pool.config.source}: {describe_blank(pool, found)}")
+        log.warning("%s: taken in as a replacement, to be refilled", describe_blank(pool, found))
     mine = Enrollment.of(pool)
 
     async def one(name: str) -> None:
