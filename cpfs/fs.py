@@ -70,6 +70,7 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _SPECIAL_MODES = {"fifo": stat.S_IFIFO, "socket": stat.S_IFSOCK, "char": stat.S_IFCHR, "block": stat.S_IFBLK}
 NAME_MAX = 255                   # bytes of one name (statfs f_namemax; longer: ENAMETOOLONG)
 UNKNOWN_CAPACITY = 2**50         # statfs total when no store reports a capacity (S3 only): 1 PiB
+FILES_MAX = 2**32                # statfs f_files: names are not a resource here, but df -i shows used = total - free
 STATFS_BLOCK = 4096
 WRITE_BLOCK = 1024 * 1024       # st_blksize of a file being written (see attributes); else chunking.READ_BLOCK
 
@@ -559,8 +560,8 @@ class CpfsOperations(pyfuse3.Operations):
         s.f_bsize = s.f_frsize = STATFS_BLOCK
         s.f_blocks = cap.total // STATFS_BLOCK
         s.f_bfree = s.f_bavail = cap.free // STATFS_BLOCK
-        s.f_files = len(self.ns.nodes)
-        s.f_ffree = s.f_favail = 1 << 32
+        s.f_files = FILES_MAX
+        s.f_ffree = s.f_favail = max(0, FILES_MAX - len(self.ns.nodes))
         s.f_namemax = NAME_MAX
         return s
 

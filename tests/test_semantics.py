@@ -68,6 +68,13 @@ def test_statfs_reports_the_stores_space_as_a_user_can_spend_it(make_config, tmp
     free = s.f_bavail * s.f_frsize
     assert abs(free - disk.f_bavail * disk.f_frsize // 2) < 256 * 1024**2    # others write meanwhile
     assert abs(shutil.disk_usage(m.path).free - free) < 256 * 1024**2      # what a pre-save space check reads
+    # df -i: used = files - free, the names the mount knows (it read negative: free was above files).
+    used = s.f_files - s.f_ffree
+    assert 1 <= used and s.f_favail == s.f_ffree
+    (m.path / "one").write_bytes(b"1")
+    (m.path / "two").mkdir()
+    s = os.statvfs(m.path)
+    assert s.f_files - s.f_ffree == used + 2
 
 
 # -- owner, mode, times -----------------------------------------------------------------------------
