@@ -30,7 +30,8 @@ from cpfs import chunk as chunkfmt
 from cpfs import roster
 from cpfs.catalog import Catalog
 from cpfs.config import load_config, parse_config
-from cpfs.errors import ChunkUnavailable, ConfigError, CorruptChunk, CpfsError, NoSuchObject, NotFound
+from cpfs.errors import (ChunkUnavailable, ConfigError, CorruptChunk, CpfsError, NoSuchObject, NotFound,
+                         StoreError)
 from cpfs.gc import GarbageCollector, GcReport
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest, path_hash
@@ -552,6 +553,48 @@ async def test_an_unreadable_version_makes_gc_refuse_to_delete_anything(tmp_path
     assert down.stores == () and "store 's2': cannot list its roster" in down.refused    # read first
     assert _chunk_files(tmp_path) == before
     assert (await _gc(cfg)).freed_objects == 2 * len(m.chunks) + 2 * 4     # a.bin v1, and b.bin's chunks
+
+
+async def test_other_tools_dotfiles_in_a_folder_store_are_no_objects_and_gc_runs(tmp_path: Path) -> None:
+    """Files other tools leave among a folder store's objects (Finder's .DS_Store, an rsync temporary, an
+    NFS silly-rename file, a filer's .snapshot copy of the store) are not objects: listings pass them by,
+    gc runs (it refused while one sat among the manifests, holds or roster: an audit's find), frees the
+    old versions and leaves those files alone; every kept version still reads."""
+    cfg = _config(tmp_path, keep=1)
+    w = Writer(tmp_path, cfg, "a1")
+    old = await w.put("/a.bin", os.urandom(SIZE))
+    data = os.urandom(SIZE)
+    m = await w.put("/a.bin", data)
+    _age_chunks(tmp_path)
+    root = _stores_root(tmp_path)
+    junk = []
+    for store in ("s0", "s1", "s2"):
+        for folder in ("manifests", "holds", "roster", "txns", "chunks", f"manifests/{path_hash('/a.bin')}"):
+            for name in (".DS_Store", ".a.bin.Xy12Ab", ".nfs000000000012345600000001"):
+                (root / store / folder).mkdir(parents=True, exist_ok=True)
+                junk.append(root / store / folder / name)
+                junk[-1].write_bytes(b"not an object")
+        snapshot = root / store / ".snapshot" / "hourly.0"
+        shutil.copytree(root / store / "manifests", snapshot / "manifests")
+        shutil.copytree(root / store / "chunks", snapshot / "chunks")
+        junk += [p for p in snapshot.rglob("*") if p.is_file()]
+    old_time = time.time() - AGE
+    for p in junk:
+        os.utime(p, (old_time, old_time))
+    contents = {p: p.read_bytes() for p in junk}
+    for store in map(open_store, load_config(cfg).stores):
+        for prefix in ("", "manifests/", "holds/", "roster/", "chunks/"):
+            assert not [k for k in await store.list(prefix) if "/." in "/" + k]
+        with pytest.raises(StoreError):
+            await store.put(".DS_Store", b"x")
+    before = _chunk_files(tmp_path)
+
+    report = await _gc(cfg)
+    assert report.ok and report.manifests == 1, report.refused
+    assert report.freed_objects == 2 * len(_digests([old]) - _digests([m]))
+    assert {p: p.read_bytes() for p in junk} == contents
+    assert set(_chunk_files(tmp_path)) == {p for p in before if p.name in _digests([m])}
+    assert await w.read("/a.bin") == data
 
 
 def test_gc_grace_is_a_duration_of_at_least_a_minute(tmp_path: Path) -> None:
