@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpfs.config import parse_config
+from cpfs.config import load_config, parse_config
 from cpfs.errors import ConfigError, NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
 from cpfs.store import open_store
 from cpfs.store.s3 import S3Store
@@ -326,6 +326,47 @@ def test_s3_store_key_errors_name_the_store_and_key(tmp_path: Path, store: str, 
     if key:
         assert f"store 'b'.{key}:" in msg, msg
     assert "secret" not in msg and "sk@" not in msg
+
+
+def test_other_tools_objects_in_a_bucket_are_no_keys_and_gc_runs(s3_server: S3Server, tmp_path: Path) -> None:
+    """Objects other tools leave in a bucket: an S3 console's "folder/" markers (for every folder of
+    keys) and dotfiles an `aws s3 sync` of a Mac folder uploads. Listings pass them by, so `cpfs gc` runs
+    (it refused, naming the marker as an unreadable version) and `cpfs scrub` finds everything whole;
+    the file reads as it was written and the markers stay."""
+    config, urls = write_s3_config(s3_server, tmp_path / "cfg", "two-buckets")
+    src = tmp_path / "f.bin"
+    src.write_bytes(bytes(range(256)) * 5000)
+    cpfs("put", str(src), "run1/f.bin", config=config)
+    client = s3_server.client()
+    planted = []
+    for url in urls:
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        base = prefix + "/" if prefix else ""
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
+        folders = {k[:i + 1] for k in keys for i in range(len(k)) if k[i] == "/"}
+        for key in sorted(folders) + [base + "manifests/.DS_Store", base + "roster/._roster"]:
+            client.put_object(Bucket=bucket, Key=key, Body=b"" if key.endswith("/") else b"not ours")
+            planted.append((bucket, key))
+        store = open_store(load_config(config).stores[urls.index(url)])
+        assert all(not k.endswith("/") and "/." not in "/" + k for k in _listed(store))
+    gc = cpfs("gc", "--json", config=config, check=False)
+    assert gc.returncode == 0 and json.loads(gc.stdout)["refused"] is None, gc.stdout + gc.stderr
+    scrub = cpfs("scrub", config=config, check=False)
+    assert scrub.returncode == 0, scrub.stdout + scrub.stderr
+    assert cpfs("cat", "run1/f.bin", config=config).stdout == src.read_bytes()
+    for bucket, key in planted:
+        assert client.head_object(Bucket=bucket, Key=key)["ContentLength"] == (0 if key.endswith("/") else 8)
+
+
+def _listed(store: S3Store) -> list[str]:
+    import trio
+
+    async def listing() -> list[str]:
+        try:
+            return await store.list("") + await store.list("manifests/") + await store.list("roster/")
+        finally:
+            await store.aclose()
+    return trio.run(listing)
 
 
 # ---- end to end: the CLI and a real mount over S3 --------------------------------------------------------

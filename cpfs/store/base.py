@@ -2,6 +2,10 @@
 
 Keys are '/'-separated ASCII names ("chunks/ab/ab12...", "manifests/..."). Stores know nothing of
 chunks or manifests; everything above builds on these primitives, through the StorePool only.
+No part of a key is empty or starts with a dot (`foreign`): names like that in a folder or bucket are
+other tools' (Finder's .DS_Store, rsync's temporaries, NFS's .nfsXXXX, a filer's .snapshot, an S3
+console's "folder/" marker). Stores refuse them as keys and leave them out of listings, so that
+gc does not refuse to run while one sits among the manifests, holds or roster.
 Every object has an age (`stat`, `list_info`: its mtime by the store's clock), which `touch` renews
 and `delete_if_older` judges: the garbage collector's primitives (cpfs/gc.py).
 
@@ -26,6 +30,16 @@ from ..errors import NoSuchObject, StoreError
 from ..sync import fan_out
 
 T = TypeVar("T")
+
+
+def foreign(key: str) -> bool:
+    """Whether a name in a store can be no key of ours: a part of it is empty or starts with a dot."""
+    return any(not part or part.startswith(".") for part in key.split("/"))
+
+
+def foreign_prefix(prefix: str) -> bool:
+    """Like `foreign` for a listing's prefix, which may be empty or end in '/'."""
+    return bool(prefix) and foreign(prefix[:-1] if prefix.endswith("/") else prefix)
 
 
 @dataclass(frozen=True)

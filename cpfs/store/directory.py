@@ -7,10 +7,7 @@ is its file's mtime; `delete_if_older` renames the file to a temporary name befo
 so a `touch` either lands before (the file is put back) or finds no object. All blocking calls run in
 worker threads under this store's own limiter, so a slow mount never stalls the event loop.
 
-Names that start with a dot are not objects: no key has a part that does (`_path` refuses one), and
-listings pass them by. Other tools leave such files in a folder (Finder's `.DS_Store`, rsync's
-`.name.XXXXXX` temporaries, NFS's `.nfsXXXX` files of objects deleted while open elsewhere, a filer's
-`.snapshot` folder), and gc refused to run while one sat among the manifests, holds or roster.
+Names that start with a dot are other tools' files (cpfs/store/base.py: `foreign`), never objects.
 
 Caveat: a thread stuck in a hung NFS call cannot be stopped. On cancellation (the pool's timeout) the
 thread is abandoned: the caller moves on at once, the thread finishes (or not) on its own and keeps its
@@ -36,7 +33,7 @@ import trio
 
 from ..buffers import PAGE, POOL
 from ..errors import NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
-from .base import Capacity, ObjectInfo, Store
+from .base import Capacity, ObjectInfo, Store, foreign, foreign_prefix
 
 if TYPE_CHECKING:
     from ..config import StoreConfig
@@ -68,11 +65,6 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _hidden_part(key: str) -> bool:
-    """Whether a part of a key or prefix starts with a dot ("..", ".DS_Store"): not an object's (module doc)."""
-    return any(part.startswith(".") for part in key.split("/"))
 
 
 def reap_temporaries(folder: Path, older_than: float = 3600.0) -> int:
@@ -168,13 +160,13 @@ class DirectoryStore(Store):
         self._direct_lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
-        if not key or key.startswith("/") or _hidden_part(key) or "\0" in key:
+        if foreign(key) or "\0" in key:
             raise StoreError(self.name, f"invalid key {key!r}")
         return self.root / key
 
     def _check_prefix(self, prefix: str) -> None:
         """Like a key, but may be empty or end in '/'."""
-        if prefix.startswith("/") or _hidden_part(prefix) or "\0" in prefix:
+        if foreign_prefix(prefix) or "\0" in prefix:
             raise StoreError(self.name, f"invalid prefix {prefix!r}")
 
     def _error(self, e: OSError, key: str) -> StoreError:
@@ -548,7 +540,7 @@ class DirectoryStore(Store):
         try:
             with os.scandir(self.root / folder if folder else self.root) as it:
                 entries = [(e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e) for e in it
-                           if not e.name.startswith(".")]          # other tools' files (module doc)
+                           if not e.name.startswith(".")]          # other tools' files (`foreign`)
         except (FileNotFoundError, NotADirectoryError):
             return
         for name, entry in sorted(entries, key=lambda ne: ne[0]):

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 import trio
 
 from ..errors import NoSuchObject, StoreDenied, StoreError, StoreFull, StoreUnavailable
-from .base import Capacity, ObjectInfo, Store
+from .base import Capacity, ObjectInfo, Store, foreign, foreign_prefix
 
 if TYPE_CHECKING:
     from ..config import StoreConfig
@@ -248,7 +248,7 @@ class S3Store(Store):
         return StoreError(self.name, f"{what}: {type(e).__name__}: {e}")
 
     def _key(self, key: str) -> str:
-        if not key or key.startswith("/") or ".." in key.split("/") or "\0" in key:
+        if foreign(key) or "\0" in key:
             raise StoreError(self.name, f"invalid key {key!r}")
         return self._base + key
 
@@ -335,7 +335,7 @@ class S3Store(Store):
         return [info.key for info in await self.list_info(prefix, start_after, limit)]
 
     async def list_info(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[ObjectInfo]:
-        if prefix.startswith("/") or ".." in prefix.split("/") or "\0" in prefix:
+        if foreign_prefix(prefix) or "\0" in prefix:
             raise StoreError(self.name, f"invalid prefix {prefix!r}")
         if limit < 1:
             raise StoreError(self.name, f"invalid list limit {limit}")
@@ -349,10 +349,10 @@ class S3Store(Store):
                 args["StartAfter"] = self._base + start_after
             while len(out) < limit:
                 resp = c.list_objects_v2(**args, MaxKeys=min(limit - len(out), 1000))
-                # The prefix itself may exist as an empty "folder" object made by an S3 console: not ours.
+                # "folder/" objects made by an S3 console, other tools' dotfiles: not ours (`foreign`).
                 out += [ObjectInfo(key=o["Key"][len(self._base):], size=o["Size"],
                                    mtime=o["LastModified"].timestamp())
-                        for o in resp.get("Contents", ()) if o["Key"] != self._base]
+                        for o in resp.get("Contents", ()) if not foreign(o["Key"][len(self._base):])]
                 if not resp.get("IsTruncated") or not resp.get("NextContinuationToken"):
                     break
                 args["ContinuationToken"] = resp["NextContinuationToken"]
