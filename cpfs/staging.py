@@ -85,6 +85,12 @@ class StagingError(CpfsError):
         super().__init__(message)
         self.errno = err
 
+    @property
+    def full(self) -> bool:
+        """The disk is full, or the user's quota on it (EDQUOT: a staging folder under a cluster's home
+        directories): room may come once write-behind drops stored chunks."""
+        return self.errno in (errno.ENOSPC, errno.EDQUOT)
+
 
 def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)

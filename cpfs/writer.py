@@ -25,10 +25,11 @@ span is recorded as away before it is punched, and is copied back from the store
 chunk, if the writer reads or changes it; reads and punches of one range exclude each other.
 
 Backpressure. A writer in file order that outruns the stores fills the staging disk. A write that
-finds it full (ENOSPC) waits, without the session lock, for write-behind's next step (an upload, a
-scan or a drop ending), then tries again; it fails with ENOSPC only when write-behind can free nothing
-(the file is not written in order, a record larger than the staging disk), or, with no upload or scan
-running, takes no step in ROOM_WAIT (a running upload is bounded by the store's timeout).
+finds it full (ENOSPC, or EDQUOT: the user's quota) waits, without the session lock, for write-behind's
+next step (an upload, a scan or a drop ending), then tries again; it fails with ENOSPC only when
+write-behind can free nothing (the file is not written in order, a record larger than the staging
+disk), or, with no upload or scan running, takes no step in ROOM_WAIT (a running upload is bounded by
+the store's timeout).
 
 Base versions. Opened without O_TRUNC, a session starts from the committed version. Base chunks are
 fetched into the staging file only when a read or a partial overwrite needs their bytes, and chunks the
@@ -157,10 +158,12 @@ class WriteSession:
                  base: Manifest | None = None, mode: int = 0o644, nursery: trio.Nursery,
                  fetch: Callable[[int], Awaitable[bytes]] | None = None,
                  upload_limiter: trio.CapacityLimiter | None = None,
-                 io_limiter: trio.CapacityLimiter | None = None, replaces_checkpoint: bool = False) -> None:
+                 io_limiter: trio.CapacityLimiter | None = None, replaces_checkpoint: bool = False,
+                 staging_file: type[StagingFile] = StagingFile) -> None:
         """`replaces_checkpoint`: the file was opened with O_TRUNC over a committed torch/safetensors
         checkpoint, so an empty file at close is a saver that died before its first byte, not a
-        checkpoint (an explicit truncate(2) to zero passes False)."""
+        checkpoint (an explicit truncate(2) to zero passes False). `staging_file`: the kind of staging
+        file (tests inject one that fails as a filesystem they cannot make here would)."""
         self._replaces_checkpoint = replaces_checkpoint
         self._pool = pool
         self._catalog = catalog
@@ -179,7 +182,7 @@ class WriteSession:
         self._fetch = fetch or self._fetch_base
         self._slots = upload_limiter or trio.CapacityLimiter(self._cfg.fetch_concurrency)
         self._lock = trio.Lock()
-        self._file = StagingFile(Path(staging_dir) / f"cpfs-write-{uuid.uuid4().hex}.stage",
+        self._file = staging_file(Path(staging_dir) / f"cpfs-write-{uuid.uuid4().hex}.stage",
                                  base.size if base else 0, io_limiter or trio.CapacityLimiter(_IO_THREADS),
                                  lambda: self.path, mode=self._cfg.file_mode, dir_mode=self._cfg.dir_mode)
         self._uploader = Uploader(pool)
@@ -288,7 +291,7 @@ class WriteSession:
                         await self._before_change(offset, end)
                     await self._file.pwrite(data, offset)
                 except StagingError as e:
-                    if e.errno != errno.ENOSPC or not (room.is_set() or self._room_may_come()):
+                    if not e.full or not (room.is_set() or self._room_may_come()):
                         self._poison(f"write of {len(data)} bytes at {offset}", e)
                         raise
                     self._changed(offset, end)      # some of it may have landed: not stored as it is

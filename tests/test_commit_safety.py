@@ -18,6 +18,7 @@ import sys
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -32,6 +33,7 @@ from cpfs.errors import ChunkUnavailable, IncompleteFile, NotFound, WriteFailed
 from cpfs.pool import StorePool
 from cpfs.store import FaultyStore, open_store
 from cpfs.tensor_index import build_index
+from cpfs.staging import StagingFile
 from cpfs.writer import StagingError
 from test_write_mount import assert_same, config, expected_of_save, rand_bytes, wait_for
 from test_writer import Env, commit_bytes, make_env, model, open_session, stored_bytes
@@ -180,6 +182,35 @@ async def test_a_writer_faster_than_write_behind_waits_for_staging_room(tmp_path
     assert st.chunks_dropped > 0
     assert m is not None and await stored_bytes(env.pool, m) == blob
     assert (await env.catalog.get("/ckpt.pt")).version == m.version
+
+
+class OverQuota(StagingFile):
+    """A staging file under a user quota: the full disk answers EDQUOT, as a cluster's quota'd home
+    directory does (this kernel's tmpfs has no quotas, and root passes ext4's)."""
+
+    async def run(self, fn: Callable[..., Any], *args: object, limiter: trio.CapacityLimiter) -> Any:
+        try:
+            return await super().run(fn, *args, limiter=limiter)
+        except StagingError as e:
+            if e.errno == errno.ENOSPC:
+                e.errno = errno.EDQUOT
+            raise
+
+
+async def test_a_writer_over_its_staging_quota_waits_for_room_as_on_a_full_disk(tmp_path: Path, tmpfs) -> None:
+    """The same save with the staging folder under a quota (EDQUOT instead of ENOSPC): its writes wait
+    for write-behind too, and the file commits whole. The first write over the quota failed the save (an
+    audit's find), where a full disk made it wait."""
+    env = await make_env(tmp_path / "cpfs", store_extra='bandwidth = "24MiB/s"')
+    env = dataclasses.replace(env, staging=tmpfs(tmp_path / "small", 4 * MiB))
+    blob = torch_bytes({f"t{i}": torch.randn(196_608, generator=torch.Generator().manual_seed(i)) for i in range(32)})
+    async with open_session(env, "/ckpt.pt", staging_file=OverQuota) as s:
+        for off in range(0, len(blob), 256 * 1024):
+            await s.write(off, blob[off:off + 256 * 1024])
+        m = await s.flush()
+        st = s.statistics()
+    assert st.room_waits > 0, st
+    assert m is not None and await stored_bytes(env.pool, m) == blob
 
 
 async def _faulty_env(folder: Path, **kw) -> tuple[Env, list[FaultyStore]]:
