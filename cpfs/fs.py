@@ -684,6 +684,11 @@ class CpfsOperations(pyfuse3.Operations):
                 if (node.summary is None and not node.broken and not w.unlinked
                         and self.ns.is_current(node)):
                     self.ns.remove(node)   # never committed: it never existed for anyone else
+                    if node.hides is not None and node.hides.path == node.path:
+                        # It was renamed over a committed file, which is still the current version
+                        # there (no commit replaced it): listed again at once, not at the next refresh.
+                        self.ns.add(node.hides)
+                        self._entries_changed(self.ns.parent_of(node.path))
                 elif w.failed and not w.unlinked:
                     self._invalidate(node.ino)    # the kernel's pages hold bytes that did not commit
                 self._let_go(w.hold)
@@ -1243,7 +1248,7 @@ class CpfsOperations(pyfuse3.Operations):
                         self.ns.remove(t)
                     else:
                         if node.summary is None:
-                            node.hides = t.summary or t.hides
+                            node.hides = t.manifest or t.summary or t.hides
                         self.ns.remove_name(t, new_path)
                         if replaced and committed:
                             t.set_version(committed[len(new) + len(touched)])   # its first name's version

@@ -51,10 +51,11 @@ class Node:
     entries_changed_ns: int = 0               # a folder: when this mount last added or removed a name in it
                                               # (its mtime and ctime show it; not committed, see cpfs/fs.py)
     aliases: list[str] = field(default_factory=list)   # a file's other names (hard links)
-    # A file never committed that was renamed over a committed one: that version, which the stores keep
-    # until this file commits (a crash meanwhile loses nothing). If this file leaves the name first
-    # (unlink, rename), it goes too; it came back at the next listing.
-    hides: Summary | None = None
+    # A file never committed that was renamed over a committed one: that version (its manifest when held:
+    # one committed here has no store key to fetch it by), which the stores keep until this file commits
+    # (a crash meanwhile loses nothing). If this file leaves the name first (unlink, rename), it goes too;
+    # if its commit fails, the name shows that version again (cpfs/fs.py: _leave).
+    hides: Summary | Manifest | None = None
     _index: TensorIndex | None = None
 
     @property

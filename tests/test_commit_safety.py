@@ -593,6 +593,35 @@ def test_a_full_staging_disk_gives_enospc_at_write_and_close(make_config, tmp_pa
 
 
 @pytest.mark.mount
+def test_a_save_renamed_over_a_checkpoint_while_open_that_fails_leaves_it_listed(make_config, tmp_path, tmpfs,
+                                                                                 mount) -> None:
+    """A saver writes ck.new and renames it over ck.pt while the file is still open; the stores are full,
+    so its close fails (ENOSPC). ck.pt is the checkpoint it was, and listings show it at once: it was
+    left out of them until the next refresh (an audit's find), so a cleanup job listing the folder
+    then missed the last good checkpoint."""
+    stores = tmpfs(tmp_path / "cfg" / "stores", 24 * MiB)
+    cfg = make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\nrefresh = "1h"\n')
+    m = mount(cfg)
+    old = rand_bytes(3 * MiB, 1)
+    (m.path / "ck.pt").write_bytes(old)
+    with open(m.path / "ck.new", "wb") as f:
+        f.write(rand_bytes(3 * MiB, 2))
+        os.rename(m.path / "ck.new", m.path / "ck.pt")
+        with open(stores / "filler", "wb") as filler:          # the stores' disk fills meanwhile
+            with pytest.raises(OSError):
+                while True:
+                    filler.write(bytes(MiB))
+                    filler.flush()
+        with pytest.raises(OSError) as closing:
+            f.close()
+    assert closing.value.errno == errno.ENOSPC
+    assert os.listdir(m.path) == ["ck.pt"]
+    assert (m.path / "ck.pt").read_bytes() == old
+    (stores / "filler").unlink()
+    assert os.listdir(mount(cfg, "fresh").path) == ["ck.pt"]
+
+
+@pytest.mark.mount
 def test_files_written_in_order_need_staging_for_about_a_record(make_config, tmp_path, tmpfs, mount) -> None:
     """Stored chunks leave the staging file as the writer goes: a 64 MiB file and a 48 MiB torch.save,
     both written in order as fast as they go to stores of 16 MiB/s each, commit through a 16 MiB staging
