@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ from .namespace import Namespace
 from .pagecache import Pusher
 from .pool import StorePool
 from .readahead import Scheduler
+from .staging import StagingError
 from .upload import ENCODE_POOL
 from .voidjournal import VoidJournal
 
@@ -120,7 +122,8 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     learner = Learner.for_config(sched, config, pool) if config.learn_prefetch else None
     sched.watcher = learner
     holds = Holds(pool)                    # the versions open here, kept from gc (cpfs/holds.py)
-    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging, pusher, learner, holds)
+    ops = CpfsOperations(Namespace(manifests), sched, catalog, config, staging, pusher, learner, holds,
+                         make_staging=functools.partial(own_staging, config))
     options = set(pyfuse3.default_options) | {"fsname=cpfs", "subtype=cpfs"} | mount_options(config)
     try:
         pyfuse3.init(ops, str(mountpoint), options)
@@ -170,7 +173,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
             n.cancel_scope.cancel()
     finally:
         pyfuse3.close(unmount=True)
-        remove_staging(staging)
+        remove_staging(ops.staging)             # made by a write, if the disk was full at mount
         if learner is not None:
             learner.flush()                 # what the opens closed at unmount read
         # The stores' figures too: a load that was slow with nothing odd in the scheduler's (a stall in
@@ -249,37 +252,65 @@ def _make_folders(folder: Path, mode: int) -> None:
         os.chmod(d, mode)
 
 
-def prepare_staging(config: Config) -> Path:
-    """This daemon's staging folder, made (with the configured modes) and locked for its life, after
-    removing the folders of dead daemons. Refuses a staging folder that overlaps a store first."""
-    global _staging_lock
+def prepare_staging(config: Config) -> Path | None:
+    """This daemon's staging folder (`own_staging`), after removing the folders of dead daemons (which
+    may be what filled the disk). Refuses a staging folder that overlaps a store first. None if the
+    disk has no room for it (ENOSPC, EDQUOT: the node's local disk filled up): the mount serves reads,
+    which need no staging, and its first write makes the folder once there is room; a full staging disk
+    kept the mount from starting, and committed checkpoints from being read. Other failures: StagingError."""
     root = staging_dir(config)
     check_staging_place(config, root)
-    _make_folders(root, config.dir_mode)
-    for d in root.iterdir():
-        _remove_if_dead(d)
-    mine = root / f"cpfs-{os.getpid()}-{secrets.token_hex(4)}"
-    os.mkdir(mine, config.dir_mode)
-    os.chmod(mine, config.dir_mode)
-    tmp = mine / f"{STAGING_MARKER}.new"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, config.file_mode)
     try:
+        try:
+            _make_folders(root, config.dir_mode)
+            for d in root.iterdir():
+                _remove_if_dead(d)
+        except OSError as e:
+            raise _staging_error(root, e) from None
+        return own_staging(config)
+    except StagingError as e:
+        if not e.full:
+            raise
+        log.warning("%s: this mount serves reads; writes fail (ENOSPC) until the disk has room", e)
+        return None
+
+
+def own_staging(config: Config) -> Path:
+    """Make this daemon's folder in the staging folder, marked and locked for the daemon's life;
+    StagingError (with the errno) if the disk refuses. Blocking."""
+    global _staging_lock
+    root = staging_dir(config)
+    mine = root / f"cpfs-{os.getpid()}-{secrets.token_hex(4)}"
+    fd: int | None = None
+    try:
+        os.mkdir(mine, config.dir_mode)
+        os.chmod(mine, config.dir_mode)
+        tmp = mine / f"{STAGING_MARKER}.new"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, config.file_mode)
         os.fchmod(fd, config.file_mode)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, _MARKER_TEXT)
         os.rename(tmp, mine / STAGING_MARKER)          # marked only once locked
-    except BaseException:
-        os.close(fd)
+    except BaseException as e:
+        if fd is not None:
+            os.close(fd)
         shutil.rmtree(mine, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _staging_error(root, e) from None
         raise
     _staging_lock = fd
     return mine
 
 
-def remove_staging(folder: Path) -> None:
+def _staging_error(root: Path, e: OSError) -> StagingError:
+    return StagingError(f"staging folder {root} ([mount] staging): {e.strerror or e}", e.errno or errno.EIO)
+
+
+def remove_staging(folder: Path | None) -> None:
     """Remove this daemon's staging folder (at unmount, or when the mount fails) and release its lock."""
     global _staging_lock
-    shutil.rmtree(folder, ignore_errors=True)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
     if _staging_lock is not None:
         os.close(_staging_lock)
         _staging_lock = None

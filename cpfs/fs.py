@@ -62,6 +62,7 @@ from .learned import Learner
 from .namespace import Namespace, Node
 from .pagecache import Pusher
 from .readahead import FileReader, Scheduler
+from .staging import StagingError
 from .store.base import Capacity
 from .writer import WriteSession
 
@@ -179,8 +180,10 @@ class CpfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
 
     def __init__(self, namespace: Namespace, scheduler: Scheduler, catalog: Catalog, config: Config,
-                 staging: Path, pusher: Pusher | None = None, learner: Learner | None = None,
-                 holds: Holds | None = None) -> None:
+                 staging: Path | None, pusher: Pusher | None = None, learner: Learner | None = None,
+                 holds: Holds | None = None, make_staging: Callable[[], Path] | None = None) -> None:
+        """`staging`: the daemon's staging folder, or None if the disk had no room for it at mount;
+        then the first write makes it with `make_staging` (blocking: cpfs/daemon.py own_staging)."""
         super().__init__()
         self.ns = namespace
         self.sched = scheduler
@@ -188,6 +191,8 @@ class CpfsOperations(pyfuse3.Operations):
         self.catalog = catalog
         self.config = config
         self.staging = staging
+        self._make_staging = make_staging
+        self._staging_made = trio.Lock()
         self.nursery: trio.Nursery | None = None      # set by the daemon before requests arrive
         self.handles: dict[int, Handle] = {}
         self.writing: dict[int, Writing] = {}           # inode -> its write session
@@ -611,6 +616,7 @@ class CpfsOperations(pyfuse3.Operations):
         while the last user's `_leave` still commits and ends the session: it waits for that end (as
         for a chmod's commit of the closed file: `_settled`) and starts from what was committed. The
         use is taken before any await, so a release meanwhile cannot end the session under the caller."""
+        staging = self.staging or await self._staging()
         await self._settled(node.ino)
         w = self.writing.get(node.ino)
         if w is None:
@@ -629,7 +635,7 @@ class CpfsOperations(pyfuse3.Operations):
                     return await self._session(node, truncate, mode, explicit)
                 replaces_checkpoint = bool(truncate and not explicit and base and base.tensor_index)
                 base = None if truncate else base
-                session = WriteSession(self.catalog.pool, self.catalog, node.path, staging_dir=self.staging,
+                session = WriteSession(self.catalog.pool, self.catalog, node.path, staging_dir=staging,
                                        base=base, mode=mode if mode is not None else
                                        (node.summary.mode if node.summary else 0o644),
                                        nursery=self.nursery, upload_limiter=self._upload_slots,
@@ -693,6 +699,17 @@ class CpfsOperations(pyfuse3.Operations):
                     self._invalidate(node.ino)    # the kernel's pages hold bytes that did not commit
                 self._let_go(w.hold)
                 await w.session.aclose()
+
+    async def _staging(self) -> Path:
+        """The staging folder, made now if the disk had no room for it at mount (StagingError, ENOSPC,
+        while it still has none: the write fails, the committed version stays)."""
+        async with self._staging_made:
+            if self.staging is None:
+                if self._make_staging is None:
+                    raise StagingError("no staging folder", errno.ENOSPC)
+                self.staging = await trio.to_thread.run_sync(self._make_staging)
+                log.info("staging folder %s made: the disk has room again", self.staging)
+            return self.staging
 
     async def _settled(self, *inos: int | None) -> bool:
         """Wait until no commit of these inodes outside a write session is under way: a session's end,

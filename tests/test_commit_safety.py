@@ -622,6 +622,36 @@ def test_a_save_renamed_over_a_checkpoint_while_open_that_fails_leaves_it_listed
 
 
 @pytest.mark.mount
+def test_a_mount_over_a_full_staging_disk_reads_and_writes_once_there_is_room(make_config, tmp_path, tmpfs,
+                                                                              mount) -> None:
+    """The disk that holds staging filled up while no mount ran (logs, a core dump on the node). The next
+    mount comes up and reads the committed checkpoint; a save fails with ENOSPC and the checkpoint stays;
+    once the disk has room, a save through the same mount commits. The mount did not start at all (a
+    traceback in its log), so a job restarted after a failure could not load its checkpoint."""
+    staging = tmpfs(tmp_path / "staging", 4 * MiB)
+    cfg = config(make_config, tmp_path)
+    old = rand_bytes(6 * MiB, 1)
+    (tmp_path / "ck.pt").write_bytes(old)
+    cpfs("put", str(tmp_path / "ck.pt"), "ck.pt", config=cfg)       # the CLI stages nothing
+    with open(staging / "filler", "wb") as filler:
+        with pytest.raises(OSError):
+            while True:
+                filler.write(bytes(64 * 1024))
+                filler.flush()
+    m = mount(cfg)
+    assert (m.path / "ck.pt").read_bytes() == old
+    with pytest.raises(OSError) as full:
+        (m.path / "ck.pt").write_bytes(rand_bytes(MiB, 2))
+    assert full.value.errno == errno.ENOSPC
+    assert (m.path / "ck.pt").read_bytes() == old
+    (staging / "filler").unlink()
+    new = rand_bytes(MiB, 3)
+    (m.path / "ck.pt").write_bytes(new)
+    assert (mount(cfg, "fresh").path / "ck.pt").read_bytes() == new
+    assert "writes fail (ENOSPC) until the disk has room" in m.log.read_text()
+
+
+@pytest.mark.mount
 def test_files_written_in_order_need_staging_for_about_a_record(make_config, tmp_path, tmpfs, mount) -> None:
     """Stored chunks leave the staging file as the writer goes: a 64 MiB file and a 48 MiB torch.save,
     both written in order as fast as they go to stores of 16 MiB/s each, commit through a 16 MiB staging
