@@ -63,7 +63,7 @@ import trio
 from .errors import (ChunkUnavailable, IsADirectory, ManifestError, NoSuchObject, NotADirectory, NotFound,
                      Stale, StoreError, StoreUnavailable)
 from .manifest import SUMMARY_MAX, ChunkEntry, Manifest, Summary, path_hash
-from .placement import place
+from .placement import Layout, place
 from .pool import StorePool
 from .sync import fan_out
 from .upload import in_parallel
@@ -234,6 +234,16 @@ class Catalog:
         self._journal = journal or VoidJournal(None)
         self._unvoided = self._journal.pending()  # twin or marker key -> bytes: no store took it yet
         self._folders_seen: dict[str, float] = {} # folder -> when a commit below it found it no file
+        self._own = Layout(tuple(sorted(pool.names)), self._cfg.replicas, self._cfg.write_quorum)
+        self.layouts: frozenset[Layout] = frozenset({self._own})   # where versions may sit (take_roster)
+        self._keep_versions = self._cfg.keep_versions
+
+    def take_roster(self, layouts: Iterable[Layout], keep_versions: int) -> None:
+        """The layouts and the most versions per path kept that the stores' roster names (cpfs/roster.py:
+        a writer's catalog takes them at startup): listings must reach each layout's stores, and
+        commits retire versions only beyond the most any writer keeps."""
+        self.layouts = self.layouts | frozenset(layouts)
+        self._keep_versions = max(self._keep_versions, keep_versions)
 
     def statistics(self) -> CatalogStats:
         return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
@@ -662,11 +672,20 @@ class Catalog:
     def listed_enough(self, path: str, missed: Container[str]) -> bool:
         """Whether a listing that the stores `missed` did not answer meets every version of `path`: a
         version lands on write_quorum of the path's `replicas` placement stores, so the listing must
-        reach replicas - write_quorum + 1 of them (with the default write_quorum, one)."""
-        if not missed:
-            return True
-        placement = place(path_hash(path), self.pool.names, self._cfg.replicas)
-        return sum(n not in missed for n in placement) >= self._cfg.replicas - self._cfg.write_quorum + 1
+        reach replicas - write_quorum + 1 of them (with the default write_quorum, one), under every
+        layout a writer of these stores used (`layouts`)."""
+        return self._short_layout(path, missed) is None
+
+    def _short_layout(self, path: str, missed: Container[str]) -> Layout | None:
+        """A layout whose stores the listing did not reach enough of (stores this config lacks count as
+        missed), or None."""
+        h = path_hash(path)
+        mine = set(self.pool.names)
+        for layout in sorted(self.layouts, key=lambda la: (la.stores, la.replicas, la.write_quorum)):
+            gone = {n for n in layout.stores if n in missed or n not in mine}
+            if gone and not layout.reached(h, gone):
+                return layout
+        return None
 
     def whole(self, snapshot: Snapshot) -> bool:
         """Whether a load_all shows every path there is: the stores it missed hold fewer than
@@ -674,12 +693,21 @@ class Catalog:
         return len(snapshot.missed) < self._cfg.write_quorum
 
     def _unlisted(self, path: str, missed: Container[str], why: str) -> StoreUnavailable:
-        placement = place(path_hash(path), self.pool.names, self._cfg.replicas)
-        out = sorted(n for n in placement if n in missed)
+        layout = self._short_layout(path, missed)
+        assert layout is not None
+        placement = layout.holders(path_hash(path))
+        mine = set(self.pool.names)
+        out = sorted(n for n in placement if n in missed or n not in mine)
+        lacked = [n for n in out if n not in mine]
+        other = "" if layout == self._own else (
+            f" where a config of stores {', '.join(layout.stores)} put them (the stores' roster)")
+        retired = "" if not lacked else (
+            f"; {', '.join(lacked)} not in this config: once `cpfs scrub --repair` has copied what it held, "
+            f"`cpfs gc --forget-store NAME` retires it")
         return StoreUnavailable(out[0], f"cannot list the versions of {path} on enough stores {why}: "
                                 f"{len(placement) - len(out)} of its {len(placement)} answered ({', '.join(out)} did "
-                                f"not), {self._cfg.replicas - self._cfg.write_quorum + 1} needed with write_quorum "
-                                f"{self._cfg.write_quorum}")
+                                f"not){other}, {layout.replicas - layout.write_quorum + 1} needed with write_quorum "
+                                f"{layout.write_quorum}{retired}")
 
     def _next(self, manifest: Manifest, refs: list[VersionRef], state: str, reason: str,
               txn: str = "") -> tuple[Manifest, VersionRef, list[str]]:
@@ -826,7 +854,7 @@ class Catalog:
         of a log retired the last whole version before them). Best effort: a leftover old version is
         only clutter, never current. A failed version is deleted only after a listing of every store:
         it may be the twin of a copy on a store this one missed, which would count again."""
-        keep = self._cfg.keep_versions
+        keep = self._keep_versions
         ok = failed = 0
         void = voided(refs)
         doomed = [r for r in refs if r.state != "failed" and r.order in void]

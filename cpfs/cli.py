@@ -59,10 +59,12 @@ async def _open(config: Config, *, writes: bool = False, refill: bool = False) -
     (cpfs/roster.py)."""
     pool = StorePool(config)
     await pool.check()
-    if writes:
-        await roster.enroll(pool, refill=refill)
+    # The roster's layouts, for every command: a listing must reach where any writer put versions.
+    listed = await roster.enroll(pool, refill=refill) if writes else (await roster.read(pool))[0]
     await _background.get().start(pool.run)
-    return pool, Catalog(pool, journal=VoidJournal.for_config(config))
+    catalog = Catalog(pool, journal=VoidJournal.for_config(config))
+    catalog.take_roster(listed.layouts(config.replicas, config.write_quorum), listed.keep_versions)
+    return pool, catalog
 
 
 async def cmd_put(config: Config, args: argparse.Namespace) -> int:

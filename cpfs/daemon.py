@@ -99,8 +99,9 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     check_staging_place(config, staging_dir(config))     # before any store work (prepare_staging checks again)
     pool = StorePool(config)
     await pool.check()
-    await roster.enroll(pool)              # before any write: what a gc with another config must see
+    listed = await roster.enroll(pool)     # before any write: what a gc with another config must see
     catalog = Catalog(pool, journal=VoidJournal.for_config(config))
+    catalog.take_roster(listed.layouts(config.replicas, config.write_quorum), listed.keep_versions)
     await catalog.retry_voids()            # failed commits an earlier process could not void yet
     if catalog.statistics().unvoided:
         log.error("%d failed commits still wait to be voided (no store takes their key): until one does, "

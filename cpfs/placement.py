@@ -7,7 +7,8 @@ chunks that now rank it first.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
 
 import blake3
 
@@ -21,3 +22,24 @@ def place(digest: str, stores: Sequence[str], replicas: int) -> list[str]:
     if replicas > len(stores):
         raise ValueError(f"{replicas} replicas need {replicas} stores, have {len(stores)}")
     return sorted(stores, key=lambda s: _score(s, digest), reverse=True)[:replicas]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one config puts a path's versions: its stores, replicas and write_quorum. A path's versions
+    sit where the layout of the config that committed them placed them, until `cpfs scrub --repair`
+    copies them to the current placement; the stores' roster (cpfs/roster.py) names every layout its
+    writers used, so a listing can tell whether it reached the stores of each."""
+    stores: tuple[str, ...]
+    replicas: int
+    write_quorum: int
+
+    def holders(self, digest: str) -> list[str]:
+        return place(digest, self.stores, self.replicas)
+
+    def reached(self, digest: str, missed: Container[str]) -> bool:
+        """Whether a listing that the stores `missed` did not answer (stores this config lacks count as
+        missed) met every version this layout placed: each is on write_quorum of its `replicas`
+        holders, so the listing must reach replicas - write_quorum + 1 of them."""
+        answered = sum(n not in missed for n in self.holders(digest))
+        return answered >= self.replicas - self.write_quorum + 1

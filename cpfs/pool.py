@@ -409,8 +409,11 @@ class StorePool:
     async def _call(self, name: str, what: str, op: Callable[[Store], Awaitable[T]], *,
                     allow_down: bool = False, timeout: float | None = None) -> T:
         """op(store), bounded by the store's timeout (or `timeout`), retried while it fails
-        transiently. A store marked down fails at once unless `allow_down` (a last-resort read)."""
-        h = self._health[name]
+        transiently. A store marked down fails at once unless `allow_down` (a last-resort read), and a
+        name this config lacks (a manifest's, of a store since retired) is unavailable."""
+        h = self._health.get(name)
+        if h is None:
+            raise StoreUnavailable(name, f"{what}: no store {name!r} in this config")
         if not h.up and not allow_down:
             raise StoreUnavailable(name, f"{what}: store is down ({h.reason})")
         store = self._stores[name]
@@ -1098,8 +1101,9 @@ class StorePool:
         """Touch the copies of a chunk on `names` that a commit not yet written counts on, so that a gc
         spares them however long the file stays open (cpfs/gc.py). Returns the stores whose copy was
         renewed (at `clock()` or later), and those whose copy is gone; a store that fails is in neither
-        (logged)."""
+        (logged). Stores this config lacks (a manifest names one since retired) are in neither either."""
         key = chunkfmt.chunk_key(digest)
+        names = [n for n in names if n in self._health]
         out = await self._fan_out(names, lambda name: self._touch_copy(name, key))
         for name, e in out.errors:
             log.warning("chunk %s: could not renew its copy on store %r: %s", digest[:16], name, e)

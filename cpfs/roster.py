@@ -7,14 +7,15 @@ shorter than a mount's, it deletes copies that mount reuses without touching (cp
 3). Either is one config mistake away (a cron job's config that did not get the new store).
 
 So every writer (a mount, `cpfs put`, `rm`, `restore`, `scrub --repair`) enrolls its config on its
-stores before it writes: one object per distinct config, `roster/<hash>.json`, holding the config's
-store names, gc_grace and keep_removed. Writers with different configs write different keys, so none
-overwrites another's (no read-modify-write to race). gc reads every enrollment on every store it has and refuses
-while one names a store its own config lacks; it takes the longest gc_grace one names as its grace,
-and the longest keep_removed as how long removed paths keep their history.
-A store retired for good (`cpfs scrub --repair` moved its copies to the current placement) leaves the
-roster by `cpfs gc --forget-store NAME`, which deletes the enrollments naming it and enrolls gc's own
-config; a mount that still lists it enrolls it again at its next start.
+stores before it writes (and copies the enrollments it read to those of its stores that lack them): one
+object per distinct config, `roster/<hash>.json`, holding the config's store names, gc_grace and
+keep_removed. Writers with different configs write different keys, so none overwrites another's (no
+read-modify-write to race). gc reads every enrollment on every store it has and refuses while one names
+a store its own config lacks; it takes the longest gc_grace one names as its grace, and the longest
+keep_removed as how long removed paths keep their history. A store retired for good (`cpfs scrub
+--repair` moved its copies to the current placement) leaves the roster by `cpfs gc --forget-store
+NAME`, which deletes the enrollments naming it and enrolls gc's own config; a mount that still lists it
+enrolls it again at its next start.
 
 The roster also tells a store in use from an empty folder or bucket in its place. Every writer
 enrolls on every store of its config, so a store that lists no enrollment and no manifest while an
@@ -24,6 +25,14 @@ the copies written there vanished under the remount), another bucket, a disk swa
 Writers refuse to start on it (`enroll`), and gc refuses to run: with two such stores the
 versions whose manifests live only there go unseen and gc deleted their chunks on the others (an
 audit's find). A blank store put in on purpose is taken in by `cpfs scrub --repair`, which refills it.
+
+Enrollments also record each config's replicas, write_quorum and keep_versions. Writers take every
+layout the roster names (stores, replicas, write_quorum), not only their own: after stores were added
+or removed, a path's versions sit where the config that committed them placed them until `cpfs scrub
+--repair` copies them, and a listing that missed those stores (down) numbered a new save below them and
+showed the path absent (an audit's find: the save, said done, was hidden by the older version and then
+retired). And they keep as many versions per path as the most any writer keeps: a cron job's config
+with keep_versions = 1 retired the mounts' history with its first commit.
 
 Caveats: a roster is only as complete as its writers' enrollments. Stores written before rosters
 existed have none until a writer starts; an enrollment that no store took is logged by its writer. A
@@ -42,6 +51,7 @@ from dataclasses import dataclass
 
 from .catalog import PREFIX as MANIFESTS
 from .errors import MALFORMED, ConfigError, ManifestError, NoSuchObject, StoreError
+from .placement import Layout
 from .pool import StorePool
 from .sync import fan_out
 
@@ -53,20 +63,27 @@ FORMAT = 1
 
 @dataclass(frozen=True)
 class Enrollment:
-    """One config's store names (sorted), gc_grace and keep_removed (seconds; inf: forever)."""
+    """One config's store names (sorted), gc_grace and keep_removed (seconds; inf: forever), and its
+    replicas, write_quorum and keep_versions (None in enrollments written before they were recorded)."""
 
     stores: tuple[str, ...]
     gc_grace: float
     keep_removed: float = math.inf
+    replicas: int | None = None
+    write_quorum: int | None = None
+    keep_versions: int | None = None
 
     @classmethod
     def of(cls, pool: StorePool) -> Enrollment:
-        return cls(tuple(sorted(pool.names)), pool.config.gc_grace, pool.config.keep_removed)
+        c = pool.config
+        return cls(tuple(sorted(pool.names)), c.gc_grace, c.keep_removed, c.replicas, c.write_quorum, c.keep_versions)
 
     def to_bytes(self) -> bytes:
         keep = None if math.isinf(self.keep_removed) else self.keep_removed
-        return json.dumps({"format": FORMAT, "stores": list(self.stores), "gc_grace": self.gc_grace,
-                           "keep_removed": keep}, sort_keys=True).encode()
+        doc = {"format": FORMAT, "stores": list(self.stores), "gc_grace": self.gc_grace, "keep_removed": keep}
+        if self.replicas is not None:
+            doc |= {"replicas": self.replicas, "write_quorum": self.write_quorum, "keep_versions": self.keep_versions}
+        return json.dumps(doc, sort_keys=True).encode()
 
     @property
     def key(self) -> str:
@@ -78,15 +95,24 @@ class Enrollment:
         try:
             doc = json.loads(data)
             stores, grace, keep = doc["stores"], doc["gc_grace"], doc.get("keep_removed")
+            counts = [doc.get(k) for k in ("replicas", "write_quorum", "keep_versions")]
             ok = (doc.get("format") == FORMAT and isinstance(stores, list) and stores
                   and all(isinstance(s, str) and s for s in stores)
                   and isinstance(grace, (int, float)) and math.isfinite(grace) and grace > 0
-                  and (keep is None or isinstance(keep, (int, float)) and math.isfinite(keep) and keep >= 0))
+                  and (keep is None or isinstance(keep, (int, float)) and math.isfinite(keep) and keep >= 0)
+                  and (counts == [None] * 3 or all(type(n) is int and n >= 1 for n in counts)
+                       and counts[1] <= counts[0] <= len(stores)))
         except MALFORMED:
             ok = False
         if not ok:
             raise ManifestError(f"roster object {key}: not a store enrollment of format {FORMAT}")
-        return cls(tuple(sorted(stores)), float(grace), math.inf if keep is None else float(keep))
+        return cls(tuple(sorted(stores)), float(grace), math.inf if keep is None else float(keep), *counts)
+
+    def layout(self, replicas: int, write_quorum: int) -> Layout:
+        """Where this config placed versions; one enrolled without its replicas is taken to use
+        `replicas` and `write_quorum` (the reader's), as far as its stores allow."""
+        r = self.replicas or min(replicas, len(self.stores))
+        return Layout(self.stores, r, self.write_quorum or min(write_quorum, r))
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,15 @@ class Roster:
     def keep_removed(self) -> float:
         """The longest keep_removed of any writer: 0 if there is no enrollment."""
         return max((e.keep_removed for e in self.enrollments.values()), default=0.0)
+
+    @property
+    def keep_versions(self) -> int:
+        """The most versions per path any writer keeps: 0 if none enrolled it."""
+        return max((e.keep_versions or 0 for e in self.enrollments.values()), default=0)
+
+    def layouts(self, replicas: int, write_quorum: int) -> set[Layout]:
+        """Every layout (stores, replicas, write_quorum) a writer of these stores used (`Enrollment.layout`)."""
+        return {e.layout(replicas, write_quorum) for e in self.enrollments.values()}
 
     def naming(self, store: str) -> list[str]:
         """The keys of the enrollments that name `store`."""
@@ -144,10 +179,11 @@ def describe_blank(pool: StorePool, blank_stores: dict[str, list[str]]) -> str:
             f"if it was replaced by a blank one on purpose, `cpfs scrub --repair` refills it first")
 
 
-async def enroll(pool: StorePool, *, refill: bool = False) -> None:
+async def enroll(pool: StorePool, *, refill: bool = False) -> Roster:
     """Put this config's enrollment on each of its stores that lacks it; first, ConfigError if a store
     is blank (`blank`), unless `refill` (`cpfs scrub --repair` takes it in, logged). Best effort: a
-    store that fails is logged (gc reads the enrollment from any store that holds it)."""
+    store that fails is logged (gc reads the enrollment from any store that holds it). Returns the
+    roster as read before (the writer's catalog takes its layouts: Catalog.take_roster)."""
     listed, problems = await read(pool)
     for p in problems:
         log.warning("roster: %s", p)
@@ -156,15 +192,20 @@ async def enroll(pool: StorePool, *, refill: bool = False) -> None:
             raise ConfigError(f"{pool.config.source}: {describe_blank(pool, found)}")
         log.warning("%s: taken in as a replacement, to be refilled", describe_blank(pool, found))
     mine = Enrollment.of(pool)
+    # Every enrollment goes to every store of this config, not only ours: one written by a config of
+    # fewer stores is else only on those, and a writer that finds them down misses its layout.
+    known = {**listed.enrollments, mine.key: mine}
 
     async def one(name: str) -> None:
-        if not await pool.exists(name, mine.key):
-            await pool.put(name, mine.key, mine.to_bytes())
+        for key, e in known.items():
+            if name not in listed.where.get(key, ()) and not await pool.exists(name, key):
+                await pool.put(name, key, e.to_bytes())
 
     out = await fan_out(one, pool.names, catch=StoreError)
     for name, e in out.errors:
         log.warning("store %r: could not enroll this config's stores in its roster (%s): a `cpfs gc` with "
                     "a config that lacks some of them could not tell", name, e)
+    return listed
 
 
 async def read(pool: StorePool) -> tuple[Roster, list[str]]:

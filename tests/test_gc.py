@@ -861,6 +861,89 @@ async def test_gc_with_a_config_that_lacks_stores_the_mounts_use_refuses(tmp_pat
             await Writer(tmp_path, full, "b2").read(path)
 
 
+def _stores_config(tmp_path: Path, name: str, stores: Iterable[int], *, keep: int = 5,
+                   down: Iterable[str] = ()) -> Path:
+    """A config over folder stores s<i> under tmp_path/cfg/stores (shared by every config of a test);
+    the stores in `down` fail every request (an NFS server gone)."""
+    folder = tmp_path / "cfg"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text(f'replicas = 2\nchunk_size = "64KiB"\nkeep_versions = {keep}\n[cache]\nmemory = "64MiB"\n' + "".join(
+        f'[[store]]\nname = "s{i}"\nurl = "stores/s{i}"\n' + ("down = true\n" if f"s{i}" in down else "")
+        for i in stores))
+    return path
+
+
+def _versions(cfg: Path, path: str) -> list[tuple[int, str]]:
+    out = cpfs("log", path, "--json", config=cfg)
+    return [(v["version"], v["state"]) for v in json.loads(out.stdout)]
+
+
+def test_a_save_after_stores_were_added_lists_where_the_old_config_put_versions(tmp_path: Path) -> None:
+    """Stores s3 and s4 join s0-s2: a path's versions stay where the old config put them until a scrub
+    --repair. With those stores down, a save of the path fails (it cannot number its version) and says
+    where they are. It succeeded as version 1, below the 3 there: once the stores came back the old
+    version was current again, and two more saves retired the new one (an audit's find)."""
+    old = _stores_config(tmp_path, "old.toml", range(3))
+    path = next(f"/ck{i}.pt" for i in range(200)
+                if not set(place(path_hash(f"/ck{i}.pt"), ["s0", "s1", "s2"], 2))
+                & set(place(path_hash(f"/ck{i}.pt"), [f"s{j}" for j in range(5)], 2)))
+    holders = place(path_hash(path), ["s0", "s1", "s2"], 2)
+    src = tmp_path / "src.bin"
+    for i in range(3):
+        src.write_bytes(os.urandom(100_000))
+        cpfs("put", str(src), path, config=old)
+    last = src.read_bytes()
+    new = _stores_config(tmp_path, "new.toml", range(5))
+    cpfs("put", str(src), "/other.bin", config=new)                  # the new config's first writer
+    roster_keys = {p.name for p in (_stores_root(tmp_path) / "s0" / "roster").iterdir()}
+    assert len(roster_keys) == 2
+    for i in range(5):                       # every enrollment on every store: the old one too
+        assert {p.name for p in (_stores_root(tmp_path) / f"s{i}" / "roster").iterdir()} == roster_keys
+
+    down = _stores_config(tmp_path, "down.toml", range(5), down=holders)
+    while set(place(chunkfmt.encode(data := os.urandom(50_000)).digest, [f"s{j}" for j in range(5)], 2)) & set(holders):
+        pass                                 # a chunk that lands on stores that answer: stored, as in the find
+    src.write_bytes(data)
+    r = cpfs("put", str(src), path, config=down, check=False)
+    assert r.returncode == 1 and b"cannot list the versions of" in r.stderr, r.stderr
+    assert b"where a config of stores s0, s1, s2 put them" in r.stderr
+    assert _versions(new, path) == [(3, "ok"), (2, "ok"), (1, "ok")]
+    assert cpfs("cat", path, config=new).stdout == last
+
+
+def test_a_config_that_keeps_fewer_versions_retires_none_the_mounts_keep(tmp_path: Path) -> None:
+    """The mounts keep 5 versions per path; a cron job's config keeps 1 and removes the file. Its
+    removal retires nothing the mounts keep (`cpfs restore` can bring any back): writers keep as many
+    as the most any writer enrolled. It retired versions 1-4 at once (an audit's find)."""
+    mounts = _stores_config(tmp_path, "mounts.toml", range(3), keep=5)
+    cron = _stores_config(tmp_path, "cron.toml", range(3), keep=1)
+    src = tmp_path / "src.bin"
+    for _ in range(5):
+        src.write_bytes(os.urandom(50_000))
+        cpfs("put", str(src), "/ck.pt", config=mounts)
+    cpfs("rm", "/ck.pt", config=cron)
+    assert _versions(mounts, "/ck.pt") == [(6, "deleted"), (5, "ok"), (4, "ok"), (3, "ok"), (2, "ok"), (1, "ok")]
+
+
+def test_restore_with_a_config_that_retired_a_store_its_versions_name(tmp_path: Path) -> None:
+    """Store s2 left the config (retired; its copies have replicas elsewhere): `cpfs restore` of a
+    version whose chunk entries name s2 renews the copies on the stores it has and commits. It failed
+    with a traceback (KeyError: 's2'; an audit's find), and so did renames of old files in a mount."""
+    old = _stores_config(tmp_path, "old.toml", range(3))
+    src = tmp_path / "src.bin"
+    contents = []
+    for _ in range(2):
+        contents.append(os.urandom(300_000))
+        src.write_bytes(contents[-1])
+        cpfs("put", str(src), "/ck.pt", config=old)
+    assert any("s2" in c[4] for c in json.loads(cpfs("inspect", "/ck.pt", "--json", config=old).stdout)["chunks"])
+    retired = _stores_config(tmp_path, "retired.toml", range(2))
+    r = cpfs("restore", "/ck.pt", "1", config=retired, check=False)
+    assert r.returncode == 0, r.stderr
+    assert cpfs("cat", "/ck.pt", config=retired).stdout == contents[0]
+
+
 async def test_an_enrollment_gone_from_one_store_still_counts_from_another(tmp_path: Path) -> None:
     """Store s0 lost its copy of a mount's enrollment (wiped, replaced) and s1 holds one: a gc with an
     old config that knows only s0 and s1 still refuses (the mounts use s2 and s3 too). roster.read
