@@ -17,6 +17,7 @@ when its last name goes. `entries` walks names (a linked file appears under each
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import posixpath
@@ -47,6 +48,9 @@ class Node:
     # names shifted: a loop that removed what it listed left a name in 40).
     cookies: dict[str, int] = field(default_factory=dict)
     _next_cookie: int = 1
+    # (cookie, name) in cookie order, also of names detached since (skipped, dropped in bulk): a listing
+    # resumed at a cookie starts there, not at the first name (a folder of N names took N^2/batch steps).
+    _order: list[tuple[int, str]] = field(default_factory=list)
     broken: str = ""                          # why the current version cannot be read (open: EIO)
     entries_changed_ns: int = 0               # a folder: when this mount last added or removed a name in it
                                               # (its mtime and ctime show it; not committed, see cpfs/fs.py)
@@ -90,17 +94,21 @@ class Node:
         """A folder's name leads to `ino` now (a new name gets the next readdir cookie)."""
         if name not in self.children:
             self.cookies[name] = self._next_cookie
+            self._order.append((self._next_cookie, name))
             self._next_cookie += 1
         self.children[name] = ino
 
     def detach(self, name: str) -> None:
         self.children.pop(name, None)
-        self.cookies.pop(name, None)
+        if self.cookies.pop(name, None) is not None and len(self._order) > 2 * len(self.cookies) + 64:
+            self._order = [(c, n) for c, n in self._order if self.cookies.get(n) == c]
 
     def listing(self, after: int) -> Iterator[tuple[str, int, int]]:
         """(name, inode, cookie) of the folder's names whose cookie is past `after`, in cookie order."""
-        for name, cookie in list(self.cookies.items()):
-            if cookie > after and name in self.children:
+        order = self._order
+        for i in range(bisect.bisect_right(order, after, key=lambda entry: entry[0]), len(order)):
+            cookie, name = order[i]
+            if self.cookies.get(name) == cookie and name in self.children:
                 yield name, self.children[name], cookie
 
     def take_manifest(self, manifest: Manifest) -> None:

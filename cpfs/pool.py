@@ -487,9 +487,15 @@ class StorePool:
         return await self._call(name, f"list {prefix!r} after {start_after!r}",
                                 lambda s: s.list(prefix, start_after, limit))
 
-    async def iter_keys(self, name: str, prefix: str, page: int = 1000) -> AsyncIterator[list[str]]:
+    def _page(self, name: str) -> int:
+        """The keys one listing request of store `name` asks for (Store.list_limit)."""
+        store = self._stores.get(name)
+        return store.list_limit if store is not None else 1000
+
+    async def iter_keys(self, name: str, prefix: str, page: int | None = None) -> AsyncIterator[list[str]]:
         """The keys of store `name` under `prefix`, a sorted page at a time (each page one request,
-        with its own timeout and retries)."""
+        with its own timeout and retries; `page` keys, by default the store's list_limit)."""
+        page = page or self._page(name)
         after = ""
         while True:
             keys = await self.list_page(name, prefix, after, page)
@@ -503,9 +509,10 @@ class StorePool:
         """Every key of store `name` starting with `prefix`, sorted."""
         return [k async for keys in self.iter_keys(name, prefix) for k in keys]
 
-    async def iter_info(self, name: str, prefix: str, page: int = 1000, *,
+    async def iter_info(self, name: str, prefix: str, page: int | None = None, *,
                         temporary: bool = False) -> AsyncIterator[list[ObjectInfo]]:
         """iter_keys with sizes and ages; with `temporary`, what interrupted puts left instead of objects."""
+        page = page or self._page(name)
         after = ""
         while True:
             what = f"list {'temporary files' if temporary else 'info'} {prefix!r} after {after!r}"

@@ -1,6 +1,8 @@
 """The namespace's hard links without a mount: one node for every name that carries one link id."""
 from __future__ import annotations
 
+import itertools
+
 from cpfs.manifest import Summary
 from cpfs.namespace import Namespace
 
@@ -64,3 +66,34 @@ def test_a_folder_tree_deeper_than_pythons_recursion_limit_moves_and_goes() -> N
     assert ns.files_below(ns.resolve("/moved")) == [node]
     ns.remove(ns.resolve("/moved"))
     assert sorted(ns.by_path) == ["/", "/other.pt"] and not ns.is_current(node)
+
+
+def test_a_listing_resumed_at_a_cookie_gives_every_name_once_while_names_come_and_go() -> None:
+    """readdir in batches (resumed at the last cookie it gave) over a folder whose names churn meanwhile:
+    every name there from start to end comes exactly once, in the order of their cookies, and a name
+    that left and came back comes with its new cookie. Resuming starts at the cookie (it walked from the
+    first name, so a folder of N names took N^2 / batch steps: an audit's find)."""
+    ns = Namespace({f"/d/f{i:05d}": summary(f"/d/f{i:05d}") for i in range(3000)})
+    folder = ns.resolve("/d")
+    seen: list[tuple[str, int]] = []
+    after = 0
+    step = 0
+    while True:
+        batch = list(itertools.islice(folder.listing(after), 100))
+        if not batch:
+            break
+        seen += [(name, cookie) for name, _, cookie in batch]
+        after = batch[-1][2]
+        step += 1
+        for i in range(20):                      # others remove names and add new ones meanwhile
+            gone = f"f{(step * 97 + i * 31) % 3000:05d}"
+            if gone in folder.children and gone not in dict(seen):
+                ns.remove(ns.resolve(f"/d/{gone}"))
+            ns.add(summary(f"/d/new{step}-{i}"))
+    cookies = [c for _, c in seen]
+    assert cookies == sorted(cookies) and len(set(cookies)) == len(cookies)
+    names = [n for n, _ in seen]
+    assert len(set(names)) == len(names)
+    stayed = {n for n in folder.children if n.startswith("f")}
+    assert stayed <= set(names)                  # every original name still there was listed
+    assert [n for n, _ in seen if n not in folder.children] == []   # none listed after it had left

@@ -26,6 +26,7 @@ from cpfs.store import (DirectoryStore, FaultyStore, MeteredStore, Store, StoreW
                         registry)
 from cpfs.store.metered import FETCH_SAMPLES
 from cpfs.store.directory import TMP_SUFFIX
+from cpfs.store.s3 import S3Store
 from tests.storekinds import STORE_FACTORIES, folder_without_o_direct
 
 
@@ -513,6 +514,26 @@ async def test_metered_store_counts_no_such_object_apart_from_failures(tmp_path:
     assert got[0] == bytes([0]) * 100 and isinstance(got[1], StoreError)
     st = store.statistics()
     assert (st.requests, st.missing, st.errors) == (8, 4, 2)
+
+
+async def test_a_folder_store_lists_thousands_of_paths_in_one_request(tmp_path: Path) -> None:
+    """manifests/ holds a folder per path. The pool lists a folder store in requests of its list_limit
+    (100,000 keys), each of which scans the folders on its way again: in S3's pages of 1000, listing
+    N paths scanned manifests/ N/1000 times (80,000 paths: 17.7 s for one store, an audit's find). Wrapped
+    stores (a simulated link) list in the same requests; an S3 store keeps pages of 1000."""
+    cfg = parse_config('replicas = 1\n[[store]]\nname = "a"\nurl = "a"\n'
+                       '[[store]]\nname = "b"\nurl = "b"\nlatency = "1ms"\n', "test.toml", tmp_path)
+    keys = sorted(f"manifests/{i:040x}/{1:020d}.ab.ok.json" for i in range(2500))
+    for name in "ab":
+        for k in keys:
+            (tmp_path / name / k).parent.mkdir(parents=True)
+            (tmp_path / name / k).write_bytes(b"{}")
+    pool = StorePool(cfg)
+    for i, name in enumerate("ab"):
+        before = pool.statistics()[i].requests
+        assert await pool.list_keys(name, "manifests/") == keys
+        assert pool.statistics()[i].requests - before == 1
+    assert S3Store.list_limit == 1000
 
 
 async def test_open_store_builds_the_stack(tmp_path: Path) -> None:

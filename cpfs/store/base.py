@@ -79,6 +79,8 @@ class Store(abc.ABC):
     the new one, or none, never a torn one."""
 
     name: str
+    # The keys one listing request asks for (the pool's pages): S3 answers 1000 at most.
+    list_limit: int = 1000
 
     @abc.abstractmethod
     async def get(self, key: str) -> bytes:
@@ -194,6 +196,7 @@ class StoreWrapper(Store):
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.name = inner.name
+        self.list_limit = inner.list_limit
 
     async def get(self, key: str) -> bytes:
         return await self.inner.get(key)
