@@ -693,8 +693,11 @@ class CpfsOperations(pyfuse3.Operations):
                     if node.hides is not None and node.hides.path == node.path:
                         # It was renamed over a committed file, which is still the current version
                         # there (no commit replaced it): listed again at once, not at the next refresh.
-                        self.ns.add(node.hides)
-                        self._entries_changed(self.ns.parent_of(node.path))
+                        try:
+                            self.ns.add(node.hides)
+                            self._entries_changed(self.ns.parent_of(node.path))
+                        except ManifestError as e:    # its folder is a file now: the refresh decides
+                            log.warning("%s: the version it was renamed over is not shown again: %s", node.path, e)
                 elif w.failed and not w.unlinked:
                     self._invalidate(node.ino)    # the kernel's pages hold bytes that did not commit
                 self._let_go(w.hold)

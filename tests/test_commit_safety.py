@@ -32,8 +32,8 @@ from cpfs.config import load_config
 from cpfs.errors import ChunkUnavailable, IncompleteFile, NotFound, WriteFailed
 from cpfs.pool import StorePool
 from cpfs.store import FaultyStore, open_store
-from cpfs.tensor_index import build_index
 from cpfs.staging import StagingFile
+from cpfs.tensor_index import build_index
 from cpfs.writer import StagingError
 from test_write_mount import assert_same, config, expected_of_save, rand_bytes, wait_for
 from test_writer import Env, commit_bytes, make_env, model, open_session, stored_bytes
@@ -607,11 +607,10 @@ def test_a_save_renamed_over_a_checkpoint_while_open_that_fails_leaves_it_listed
     with open(m.path / "ck.new", "wb") as f:
         f.write(rand_bytes(3 * MiB, 2))
         os.rename(m.path / "ck.new", m.path / "ck.pt")
-        with open(stores / "filler", "wb") as filler:          # the stores' disk fills meanwhile
+        with open(stores / "filler", "wb", buffering=0) as filler:      # the stores' disk fills meanwhile
             with pytest.raises(OSError):
                 while True:
                     filler.write(bytes(MiB))
-                    filler.flush()
         with pytest.raises(OSError) as closing:
             f.close()
     assert closing.value.errno == errno.ENOSPC
@@ -633,11 +632,10 @@ def test_a_mount_over_a_full_staging_disk_reads_and_writes_once_there_is_room(ma
     old = rand_bytes(6 * MiB, 1)
     (tmp_path / "ck.pt").write_bytes(old)
     cpfs("put", str(tmp_path / "ck.pt"), "ck.pt", config=cfg)       # the CLI stages nothing
-    with open(staging / "filler", "wb") as filler:
+    with open(staging / "filler", "wb", buffering=0) as filler:
         with pytest.raises(OSError):
             while True:
                 filler.write(bytes(64 * 1024))
-                filler.flush()
     m = mount(cfg)
     assert (m.path / "ck.pt").read_bytes() == old
     with pytest.raises(OSError) as full:
