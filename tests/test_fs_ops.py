@@ -43,14 +43,14 @@ ROUNDS = 40
 
 @asynccontextmanager
 async def operations(folder: Path, faulty: list[FaultyStore] | None = None, staging: str = "staging",
-                     writer: str | None = None, pusher: Pusher | None = None
-                     ) -> AsyncIterator[tuple[CpfsOperations, Catalog]]:
+                     writer: str | None = None, pusher: Pusher | None = None, extra: str = "",
+                     store_extra: str = "") -> AsyncIterator[tuple[CpfsOperations, Catalog]]:
     """The daemon's stack (cpfs/daemon.py: serve) over folder stores, without pyfuse3.main; with
     `faulty` (an empty list to fill), each store wrapped in a FaultyStore the test can turn down. Two
     at once over one folder are two mounts of the same stores: each needs its own `staging` (and
     `writer` id, as two processes would have). With `pusher`, reads push to the page cache through it
-    (its `notify` a model of the kernel's)."""
-    config = load_config(write_config(folder, chunk_size="1MiB"))
+    (its `notify` a model of the kernel's). `extra`, `store_extra`: config lines (conftest.write_config)."""
+    config = load_config(write_config(folder, chunk_size="1MiB", extra=extra, store_extra=store_extra))
     if faulty is not None:
         faulty.extend(FaultyStore(open_store(s)) for s in config.stores)
     pool = StorePool(config, stores=faulty)
@@ -1072,3 +1072,28 @@ async def test_a_change_in_a_mount_that_has_not_seen_anothers_save_keeps_that_sa
         assert m.size == size and await catalog.pool.fetch_chunk(m.chunks[0], path) == newer[:size]
         if op == "chmod":
             assert stat.S_IMODE(m.mode) == 0o600
+
+
+async def test_refreshes_are_spaced_by_how_long_the_last_one_took(tmp_path: Path) -> None:
+    """Every `ls` (opendir) re-reads the manifests at most every `refresh`; a listing of the stores
+    that takes long (tens of thousands of names: seconds) spaces the next one by 3x its time, so that
+    a tree walk (`rm -rf`, `find`) does not spend most of its time listing. Stores at 150 ms a request
+    and refresh 0.05 s: ~0.35 s per listing, so at most 2-3 listings in 2 s (every 0.4 s without the
+    spacing: 5). A name another mount commits is still found by its lookup at once."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, extra='[mount]\nrefresh = "0.05s"', store_extra='latency = "150ms"') \
+            as (ops, catalog):
+        before = catalog.statistics().listings
+        await catalog.load_all()
+        per_refresh = catalog.statistics().listings - before      # the listings of one refresh
+        before = catalog.statistics().listings
+        end = trio.current_time() + 2.0
+        while trio.current_time() < end:
+            await ops.opendir(pyfuse3.ROOT_INODE, ctx)
+            await trio.sleep(0.01)
+        refreshes = (catalog.statistics().listings - before) / per_refresh
+        assert 1 <= refreshes <= 3, refreshes
+        other = Catalog(catalog.pool, writer="bb")
+        await commit_bytes(other, "/new.pt", b"committed elsewhere")
+        attrs = await ops.lookup(pyfuse3.ROOT_INODE, b"new.pt", ctx)
+        assert attrs.st_size == len(b"committed elsewhere")
