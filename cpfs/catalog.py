@@ -234,15 +234,17 @@ class Catalog:
         self._journal = journal or VoidJournal(None)
         self._unvoided = self._journal.pending()  # twin or marker key -> bytes: no store took it yet
         self._folders_seen: dict[str, float] = {} # folder -> when a commit below it found it no file
+        self._names = frozenset(pool.names)
         self._own = Layout(tuple(sorted(pool.names)), self._cfg.replicas, self._cfg.write_quorum)
-        self.layouts: frozenset[Layout] = frozenset({self._own})   # where versions may sit (take_roster)
+        self.layouts: tuple[Layout, ...] = (self._own,)     # where versions may sit (take_roster), sorted
         self._keep_versions = self._cfg.keep_versions
 
     def take_roster(self, layouts: Iterable[Layout], keep_versions: int) -> None:
         """The layouts and the most versions per path kept that the stores' roster names (cpfs/roster.py:
         a writer's catalog takes them at startup): listings must reach each layout's stores, and
         commits retire versions only beyond the most any writer keeps."""
-        self.layouts = self.layouts | frozenset(layouts)
+        self.layouts = tuple(sorted({*self.layouts, *layouts},
+                                    key=lambda la: (la.stores, la.replicas, la.write_quorum)))
         self._keep_versions = max(self._keep_versions, keep_versions)
 
     def statistics(self) -> CatalogStats:
@@ -679,11 +681,9 @@ class Catalog:
     def _short_layout(self, path: str, missed: Container[str]) -> Layout | None:
         """A layout whose stores the listing did not reach enough of (stores this config lacks count as
         missed), or None."""
-        h = path_hash(path)
-        mine = set(self.pool.names)
-        for layout in sorted(self.layouts, key=lambda la: (la.stores, la.replicas, la.write_quorum)):
-            gone = {n for n in layout.stores if n in missed or n not in mine}
-            if gone and not layout.reached(h, gone):
+        for layout in self.layouts:
+            gone = {n for n in layout.stores if n in missed or n not in self._names}
+            if gone and not layout.reached(path_hash(path), gone):
                 return layout
         return None
 
@@ -696,9 +696,8 @@ class Catalog:
         layout = self._short_layout(path, missed)
         assert layout is not None
         placement = layout.holders(path_hash(path))
-        mine = set(self.pool.names)
-        out = sorted(n for n in placement if n in missed or n not in mine)
-        lacked = [n for n in out if n not in mine]
+        out = sorted(n for n in placement if n in missed or n not in self._names)
+        lacked = [n for n in out if n not in self._names]
         other = "" if layout == self._own else (
             f" where a config of stores {', '.join(layout.stores)} put them (the stores' roster)")
         retired = "" if not lacked else (

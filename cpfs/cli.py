@@ -63,7 +63,7 @@ async def _open(config: Config, *, writes: bool = False, refill: bool = False) -
     listed = await roster.enroll(pool, refill=refill) if writes else (await roster.read(pool))[0]
     await _background.get().start(pool.run)
     catalog = Catalog(pool, journal=VoidJournal.for_config(config))
-    catalog.take_roster(listed.layouts(config.replicas, config.write_quorum), listed.keep_versions)
+    roster.take(catalog, listed)
     return pool, catalog
 
 

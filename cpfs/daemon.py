@@ -101,7 +101,7 @@ async def serve(config: Config, mountpoint: Path, ready_fd: int | None) -> None:
     await pool.check()
     listed = await roster.enroll(pool)     # before any write: what a gc with another config must see
     catalog = Catalog(pool, journal=VoidJournal.for_config(config))
-    catalog.take_roster(listed.layouts(config.replicas, config.write_quorum), listed.keep_versions)
+    roster.take(catalog, listed)
     await catalog.retry_voids()            # failed commits an earlier process could not void yet
     if catalog.statistics().unvoided:
         log.error("%d failed commits still wait to be voided (no store takes their key): until one does, "
@@ -262,18 +262,16 @@ def prepare_staging(config: Config) -> Path | None:
     root = staging_dir(config)
     check_staging_place(config, root)
     try:
-        try:
-            _make_folders(root, config.dir_mode)
-            for d in root.iterdir():
-                _remove_if_dead(d)
-        except OSError as e:
-            raise _staging_error(root, e) from None
+        _make_folders(root, config.dir_mode)
+        for d in root.iterdir():
+            _remove_if_dead(d)
         return own_staging(config)
-    except StagingError as e:
-        if not e.full:
-            raise
-        log.warning("%s: this mount serves reads; writes fail (ENOSPC) until the disk has room", e)
-        return None
+    except (OSError, StagingError) as e:
+        error = e if isinstance(e, StagingError) else _staging_error(root, e)
+    if not error.full:
+        raise error
+    log.warning("%s: this mount serves reads; writes fail (ENOSPC) until the disk has room", error)
+    return None
 
 
 def own_staging(config: Config) -> Path:

@@ -38,8 +38,8 @@ class Layout:
         return place(digest, self.stores, self.replicas)
 
     def reached(self, digest: str, missed: Container[str]) -> bool:
-        """Whether a listing that the stores `missed` did not answer (stores this config lacks count as
-        missed) met every version this layout placed: each is on write_quorum of its `replicas`
-        holders, so the listing must reach replicas - write_quorum + 1 of them."""
+        """Whether a listing that the stores `missed` did not answer met every version this layout
+        placed: each is on write_quorum of its `replicas` holders, so the listing must reach
+        replicas - write_quorum + 1 of them."""
         answered = sum(n not in missed for n in self.holders(digest))
         return answered >= self.replicas - self.write_quorum + 1

@@ -49,7 +49,7 @@ from collections.abc import Collection
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from .catalog import PREFIX as MANIFESTS
+from .catalog import PREFIX as MANIFESTS, Catalog
 from .errors import MALFORMED, ConfigError, ManifestError, NoSuchObject, StoreError
 from .placement import Layout
 from .pool import StorePool
@@ -183,7 +183,7 @@ async def enroll(pool: StorePool, *, refill: bool = False) -> Roster:
     """Put this config's enrollment on each of its stores that lacks it; first, ConfigError if a store
     is blank (`blank`), unless `refill` (`cpfs scrub --repair` takes it in, logged). Best effort: a
     store that fails is logged (gc reads the enrollment from any store that holds it). Returns the
-    roster as read before (the writer's catalog takes its layouts: Catalog.take_roster)."""
+    roster as read before (the writer's catalog takes its layouts: `take`)."""
     listed, problems = await read(pool)
     for p in problems:
         log.warning("roster: %s", p)
@@ -206,6 +206,13 @@ async def enroll(pool: StorePool, *, refill: bool = False) -> Roster:
         log.warning("store %r: could not enroll this config's stores in its roster (%s): a `cpfs gc` with "
                     "a config that lacks some of them could not tell", name, e)
     return listed
+
+
+def take(catalog: Catalog, listed: Roster) -> None:
+    """Give a writer's catalog the layouts and the most versions kept that the roster names (its
+    config's replicas stand in where an enrollment lacks them)."""
+    c = catalog.pool.config
+    catalog.take_roster(listed.layouts(c.replicas, c.write_quorum), listed.keep_versions)
 
 
 async def read(pool: StorePool) -> tuple[Roster, list[str]]:
