@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from . import buffers, daemon, roster, stats
+from . import buffers, daemon, identity, roster, stats
 from .cache import ChunkCache
 from .catalog import Catalog, Unreadable
 from .config import GC_GRACE_FLOOR, Config, load_config, parse_duration
@@ -59,6 +59,8 @@ async def _open(config: Config, *, writes: bool = False, refill: bool = False) -
     (cpfs/roster.py)."""
     pool = StorePool(config)
     await pool.check()
+    if not writes:
+        await identity.check(pool)          # a store of another deployment: refused (enroll checks too)
     # The roster's layouts, for every command: a listing must reach where any writer put versions.
     listed = await roster.enroll(pool, refill=refill) if writes else (await roster.read(pool))[0]
     await _background.get().start(pool.run)

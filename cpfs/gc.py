@@ -92,7 +92,7 @@ from typing import Any
 
 import trio
 
-from . import holds, roster
+from . import holds, identity, roster
 from .catalog import TXN_PREFIX, VersionRef, txn_key, txns_listed
 from .errors import ManifestError, NoSuchObject, StoreError
 from .manifest import Manifest
@@ -231,6 +231,8 @@ class GarbageCollector:
 
     async def _checked_roster(self) -> str:
         """Why gc must not run with this config ("" if it may), after the roster's grace is taken."""
+        if why := identity.problem(self.pool, await identity.read(self.pool)):
+            return why
         listed, problems = await roster.read(self.pool)
         if problems:
             return "; ".join(problems)

@@ -465,6 +465,11 @@ class StorePool:
     async def put(self, name: str, key: str, data: bytes | memoryview) -> None:
         await self._call(name, f"put {key!r}", lambda s: s.put(key, data))
 
+    async def put_new(self, name: str, key: str, data: bytes | memoryview) -> bool:
+        """`Store.put_new` on one store: False if the key was there. A retry after a put that landed
+        but whose answer was lost says False too: read the key back to know whose bytes it holds."""
+        return await self._call(name, f"put_new {key!r}", lambda s: s.put_new(key, data))
+
     async def exists(self, name: str, key: str) -> bool:
         return await self._call(name, f"exists {key!r}", lambda s: s.exists(key))
 

@@ -49,6 +49,7 @@ from collections.abc import Collection
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from . import identity
 from .catalog import PREFIX as MANIFESTS, Catalog
 from .errors import MALFORMED, ConfigError, ManifestError, NoSuchObject, StoreError
 from .placement import Layout
@@ -183,14 +184,17 @@ async def enroll(pool: StorePool, *, refill: bool = False) -> Roster:
     """Put this config's enrollment on each of its stores that lacks it; first, ConfigError if a store
     is blank (`blank`), unless `refill` (`cpfs scrub --repair` takes it in, logged). Best effort: a
     store that fails is logged (gc reads the enrollment from any store that holds it). Returns the
-    roster as read before (the writer's catalog takes its layouts: `take`)."""
+    roster as read before (the writer's catalog takes its layouts: `take`). Before all that, the
+    stores' identities: ConfigError if one is another deployment's (cpfs/identity.py)."""
+    found = await identity.check(pool)
     listed, problems = await read(pool)
     for p in problems:
         log.warning("roster: %s", p)
-    if found := await blank(pool, listed):
+    if blank_stores := await blank(pool, listed):
         if not refill:
-            raise ConfigError(f"{pool.config.source}: {describe_blank(pool, found)}")
-        log.warning("%s: taken in as a replacement, to be refilled", describe_blank(pool, found))
+            raise ConfigError(f"{pool.config.source}: {describe_blank(pool, blank_stores)}")
+        log.warning("%s: taken in as a replacement, to be refilled", describe_blank(pool, blank_stores))
+    await identity.claim(pool, found)
     mine = Enrollment.of(pool)
     # Every enrollment goes to every store of this config, not only ours: one written by a config of
     # fewer stores is else only on those, and a writer that finds them down misses its layout.

@@ -175,6 +175,33 @@ async def test_contract_overwrite_is_atomic(store: Store) -> None:
     assert await store.list("k/") == ["k/same"]
 
 
+async def test_contract_put_new_writes_only_a_new_key(store: Store) -> None:
+    """put_new writes a key no object has (True) and leaves an existing object as it is (False); of
+    writers racing on a new key exactly one lands, and it is the one that says True (the deployment's
+    identity is minted that way: cpfs/identity.py)."""
+    assert await store.put_new("k/one", b"first")
+    assert not await store.put_new("k/one", b"second")
+    assert await store.get("k/one") == b"first"
+    payloads = [bytes([i]) * (50_000 + i) for i in range(8)]
+    wrote: list[bytes] = []
+
+    async def put_new(data: bytes) -> None:
+        try:
+            if await store.put_new("k/race", data):
+                wrote.append(data)
+        except StoreError as e:      # allowed, if transient (the pool retries): moto answers 409/500 at times
+            assert e.transient, e
+
+    async with trio.open_nursery() as n:
+        for data in payloads:
+            n.start_soon(put_new, data)
+    landed = await store.get("k/race")
+    assert landed in payloads and wrote in ([landed], [])
+    assert await store.list("k/") == ["k/one", "k/race"]
+    if (root := _folder_root(store)) is not None:
+        assert _temps(root) == []
+
+
 CLOCK_SLACK = 2.0       # seconds: S3 keeps LastModified to the second
 
 

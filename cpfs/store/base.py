@@ -137,6 +137,16 @@ class Store(abc.ABC):
     async def put(self, key: str, data: bytes | memoryview) -> None:
         """Write atomically and durably (durable once this returns); replaces an existing object."""
 
+    async def put_new(self, key: str, data: bytes | memoryview) -> bool:
+        """`put` only if no object has the key: True if this call wrote it, False if one was there
+        (left as it is). For the few objects whose first writer wins (a deployment's identity, minted
+        once: cpfs/identity.py). Here `exists`, then `put`: two callers racing may both write. The
+        kinds do it atomically (a hard link on a folder, If-None-Match on S3)."""
+        if await self.exists(key):
+            return False
+        await self.put(key, data)
+        return True
+
     async def exists(self, key: str) -> bool:
         try:
             await self.head(key)
@@ -238,6 +248,10 @@ class StoreWrapper(Store):
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await self.inner.put(key, data)
+
+    async def put_new(self, key: str, data: bytes | memoryview) -> bool:
+        """The inner store's (atomic there): a wrapper that changes `put` overrides this too."""
+        return await self.inner.put_new(key, data)
 
     async def exists(self, key: str) -> bool:
         return await self.inner.exists(key)

@@ -90,10 +90,13 @@ def reap_temporaries(folder: Path, older_than: float = 3600.0) -> int:
     return reaped
 
 
-def write_durably(path: Path, data: bytes | memoryview, mode: int, drop_pages: bool = False) -> None:
+def write_durably(path: Path, data: bytes | memoryview, mode: int, drop_pages: bool = False,
+                  replace: bool = True) -> bool:
     """Write the file at `path` whole or not at all: under a temporary name beside it (TMP_SUFFIX),
     fsynced, renamed over `path`, and its folder fsynced; a failure removes the temporary file. With
-    `drop_pages`, its pages leave the page cache once clean."""
+    `drop_pages`, its pages leave the page cache once clean. Without `replace`, a file already at
+    `path` stays: the temporary file is hard-linked to `path` instead of renamed (atomic on local
+    filesystems, NFS and Lustre), then removed. True if this call wrote `path`."""
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -107,11 +110,27 @@ def write_durably(path: Path, data: bytes | memoryview, mode: int, drop_pages: b
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        os.rename(tmp, path)
+        if replace:
+            os.rename(tmp, path)
+        elif not _link_new(tmp, path):
+            return False
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+    return True
+
+
+def _link_new(tmp: Path, path: Path) -> bool:
+    """Give the written `tmp` the name `path` unless a file has it (False); `tmp` is gone after. A
+    filesystem without hard links (vfat, some FUSE filesystems) fails it (EPERM, EOPNOTSUPP)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
 
 
 def _whole_pages(n: int) -> int:
@@ -502,7 +521,7 @@ class DirectoryStore(Store):
                 raise StoreUnavailable(self.name, f"folder {self.root} is gone") from None
             _fsync_dir(d.parent)
 
-    def _put_sync(self, path: Path, data: bytes | memoryview) -> None:
+    def _put_sync(self, path: Path, data: bytes | memoryview, replace: bool = True) -> bool:
         if not self._saw_root():
             self._makedirs(self.root, Path(self.root.anchor))   # a new store: its first put makes it
             self._root_seen = True
@@ -512,12 +531,19 @@ class DirectoryStore(Store):
         # Pages dropped once clean, and never read through the page cache (reads are O_DIRECT or drop
         # theirs too): freed at once, the next put reuses these pages instead of faulting in fresh
         # ones, which costs this VM's host ~1.5 s/GiB and any host the page-cache churn.
-        write_durably(path, data, self.file_mode, drop_pages=True)
+        return write_durably(path, data, self.file_mode, drop_pages=True, replace=replace)
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         try:
             await self._run(self._put_sync, path, data)
+        except OSError as e:
+            raise self._error(e, key) from None
+
+    async def put_new(self, key: str, data: bytes | memoryview) -> bool:
+        path = self._path(key)
+        try:
+            return await self._run(self._put_sync, path, data, False)
         except OSError as e:
             raise self._error(e, key) from None
 

@@ -163,6 +163,10 @@ class FaultyStore(StoreWrapper):
         await self._fault("put", key)
         await self.inner.put(key, data)
 
+    async def put_new(self, key: str, data: bytes | memoryview) -> bool:
+        await self._fault("put", key)         # a put's rules and knobs hold for it alike
+        return await self.inner.put_new(key, data)
+
     async def exists(self, key: str) -> bool:
         await self._fault("exists", key)
         return await self.inner.exists(key)

@@ -177,6 +177,12 @@ class MeteredStore(StoreWrapper):
             await self.inner.put(key, data)
         self.bytes_written += len(data)
 
+    async def put_new(self, key: str, data: bytes | memoryview) -> bool:
+        with _Request(self):
+            wrote = await self.inner.put_new(key, data)
+        self.bytes_written += len(data) if wrote else 0
+        return wrote
+
     async def exists(self, key: str) -> bool:
         with _Request(self):
             return await self.inner.exists(key)

@@ -324,6 +324,28 @@ class S3Store(Store):
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)   # botocore takes no memoryview
         await self._run(f"put {key!r}", lambda c: c.put_object(Bucket=self.bucket, Key=full, Body=body))
 
+    async def put_new(self, key: str, data: bytes | memoryview) -> bool:
+        """A conditional PUT (If-None-Match: *): AWS S3, MinIO, Ceph RGW since 19 (Squid). Caveat:
+        a server that ignores the header (older ones) replaces the object like `put` and says True."""
+        full = self._key(key)
+        body = bytes(data)
+
+        def put(c: Any) -> bool:
+            from botocore.exceptions import ClientError
+            try:
+                c.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+            except ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status == 412:       # PreconditionFailed: an object has the key
+                    return False
+                if status == 409:       # ConditionalRequestConflict: another one's PUT of it is under
+                    raise StoreError(self.name, f"put_new {key!r}: {status} conditional request conflict",
+                                     transient=True) from None   # way; once it ends, a retry gets 412
+                raise
+            return True
+
+        return await self._run(f"put_new {key!r}", put)
+
     async def delete(self, key: str) -> None:
         full = self._key(key)
         try:

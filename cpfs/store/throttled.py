@@ -84,6 +84,10 @@ class ThrottledStore(StoreWrapper):
         await self._delay(trio.current_time(), len(data))
         await self.inner.put(key, data)
 
+    async def put_new(self, key: str, data: bytes | memoryview) -> bool:
+        await self._delay(trio.current_time(), len(data))
+        return await self.inner.put_new(key, data)
+
     async def exists(self, key: str) -> bool:
         await self._delay(trio.current_time(), 0)
         return await self.inner.exists(key)
