@@ -314,9 +314,14 @@ async def cmd_stats(config: Config, args: argparse.Namespace) -> int:
 
     def read() -> dict:
         try:
-            return json.loads(control.read_bytes())
+            doc = json.loads(control.read_bytes())
         except OSError as e:
             raise CpfsError(f"{args.mountpoint}: no cpfs mount there ({e.strerror})") from None
+        except ValueError:      # a file of that name in a folder that is no cpfs mount
+            raise CpfsError(f"{control}: not a cpfs mount's figures (no cpfs mount there?)") from None
+        if not isinstance(doc, dict):
+            raise CpfsError(f"{control}: not a cpfs mount's figures (no cpfs mount there?)")
+        return doc
 
     before = None
     while True:
@@ -456,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.command == "mount":
             return cmd_mount(config, args)
-        logging.basicConfig(level=logging.WARNING, format="cpfs: %(levelname)s: %(message)s")
+        daemon.log_to(logging.StreamHandler(sys.stderr), "cpfs: %(levelname)s: %(message)s", logging.WARNING)
+        # Names print as the bytes they are (as ls does), whatever the locale's codec: one that is no
+        # UTF-8 (LANG=C, not coerced) failed on the first non-ASCII name with a traceback.
+        sys.stdout.reconfigure(encoding="utf-8", errors="surrogateescape")  # type: ignore[union-attr]
         if args.command in ("put", "scrub"):
             buffers.keep_freed_memory()        # they encode or copy chunk after chunk
         return trio.run(_run, COMMANDS[args.command], config, args)

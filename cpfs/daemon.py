@@ -315,14 +315,32 @@ def remove_staging(folder: Path | None) -> None:
         _staging_lock = None
 
 
+class OneLine(logging.Formatter):
+    """One record, one line: control characters in a message (a file name with a newline, a tab or
+    an escape sequence: `mv` allows any) are escaped, so that a name can neither split a line nor
+    forge one (an audit's find). A traceback after the message stays as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _CONTROL.sub(lambda m: repr(m.group())[1:-1], record.message)
+        return super().formatMessage(record)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def log_to(handler: logging.Handler, fmt: str, level: str | int) -> None:
+    """Every record goes to `handler`, one line each (`OneLine`)."""
+    handler.setFormatter(OneLine(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
 def setup_logging(level: str, log_file: str | None) -> None:
     # A file name that is not UTF-8 is logged escaped, not lost to a "Logging error".
     handler = logging.FileHandler(log_file, encoding="utf-8", errors="backslashreplace") if log_file \
         else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+    log_to(handler, "%(asctime)s %(levelname)s %(name)s: %(message)s", level)
 
 
 def run_foreground(config: Config, mountpoint: Path, ready_fd: int | None) -> int:

@@ -67,6 +67,11 @@ class ManifestError(CpfsError):
     """A manifest does not parse or contradicts itself."""
 
 
+class NameTooLong(ManifestError):
+    """A path (or a symlink's target) too long for a manifest's summary line."""
+    errno = errno.ENAMETOOLONG
+
+
 class ChunkUnavailable(CpfsError):
     """No replica of a chunk could be read; the message names file, offset, chunk and stores."""
 

@@ -53,10 +53,10 @@ from . import buffers, openers, plan, stats
 from .catalog import Catalog, Snapshot, Unreadable, folders_above
 from .chunking import READ_BLOCK
 from .config import Config
-from .errors import (CpfsError, Exists, IsADirectory, ManifestError, NotADirectory, NotEmpty, NotFound,
-                     StoreError)
-from .manifest import (XATTR_NAME_MAX, XATTR_NAMESPACE, XATTR_SIZE_MAX, Manifest, Summary, check_xattrs,
-                       parent_dirs)
+from .errors import (CpfsError, Exists, IsADirectory, ManifestError, NameTooLong, NotADirectory, NotEmpty,
+                     NotFound, StoreError)
+from .manifest import (NAME_MAX, XATTR_NAME_MAX, XATTR_NAMESPACE, XATTR_SIZE_MAX, Manifest, Summary, check_room,
+                       check_xattrs, name_bytes, name_text, parent_dirs)
 from .holds import Holds
 from .learned import Learner
 from .namespace import Namespace, Node
@@ -69,7 +69,6 @@ from .writer import WriteSession
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _SPECIAL_MODES = {"fifo": stat.S_IFIFO, "socket": stat.S_IFSOCK, "char": stat.S_IFCHR, "block": stat.S_IFBLK}
-NAME_MAX = 255                   # bytes of one name (statfs f_namemax; longer: ENAMETOOLONG)
 UNKNOWN_CAPACITY = 2**50         # statfs total when no store reports a capacity (S3 only): 1 PiB
 FILES_MAX = 2**32                # statfs f_files: names are not a resource here, but df -i shows used = total - free
 STATFS_BLOCK = 4096
@@ -86,7 +85,7 @@ def mount_options(config: Config) -> set[str]:
 def _name(name: bytes) -> str:
     if len(name) > NAME_MAX:
         raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-    return os.fsdecode(name)
+    return name_text(name)
 
 
 def _reserved(parent_inode: int, name: str) -> bool:
@@ -126,7 +125,7 @@ def boundary(fn: F) -> F:
         except NotFound as e:
             log.debug("%s: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(errno.ENOENT) from None
-        except (Exists, IsADirectory, NotADirectory, NotEmpty) as e:    # the caller's to handle
+        except (Exists, IsADirectory, NotADirectory, NotEmpty, NameTooLong) as e:    # the caller's to handle
             log.debug("%s: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(e.errno) from None
         except CpfsError as e:
@@ -216,6 +215,7 @@ class CpfsOperations(pyfuse3.Operations):
         self.holds = holds                      # the versions open here, kept from gc (cpfs/holds.py)
         self.device: int | None = None          # the mount's st_dev, set by the daemon once it is live
         self._closes_not_last = 0               # closes while the writer still held the file (openers.py)
+        self._unshown: set[str] = set()         # stored names readdir leaves out (`_unshowable`), logged
         now = time.time_ns()
         root = self.ns.node(pyfuse3.ROOT_INODE)   # attributes of this mount's own (see the module doc)
         root.summary = Summary(path="/", size=0, mtime_ns=now, mode=0o755, version=0, directory=True,
@@ -269,7 +269,7 @@ class CpfsOperations(pyfuse3.Operations):
             else:
                 a.st_size = m.size
                 if m.symlink:
-                    a.st_mode, a.st_size = stat.S_IFLNK | 0o777, len(os.fsencode(m.symlink))
+                    a.st_mode, a.st_size = stat.S_IFLNK | 0o777, len(name_bytes(m.symlink))
                 elif m.special:
                     a.st_mode = _SPECIAL_MODES[m.special] | (m.mode & 0o7777)
                     a.st_rdev = m.rdev
@@ -554,8 +554,21 @@ class CpfsOperations(pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         node = self.ns.node(fh)
         for name, ino, cookie in node.listing(start_id):
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self.attributes(self.ns.node(ino)), cookie):
+            raw = name_bytes(name)
+            if len(raw) > NAME_MAX or _reserved(fh, name):
+                self._unshowable(posixpath.join(node.path, name))
+                continue
+            if not pyfuse3.readdir_reply(token, raw, self.attributes(self.ns.node(ino)), cookie):
                 break
+
+    def _unshowable(self, path: str) -> None:
+        """A stored name no listing may carry: longer than NAME_MAX (the kernel failed the whole
+        listing with EIO) or the control file's. Stored by an older `cpfs put`, which let them in;
+        logged once per mount. `cpfs ls`, `log` and `restore` still reach it."""
+        if path not in self._unshown:
+            self._unshown.add(path)
+            log.warning("%r: not listed: %s", path, "the control file's name" if path == "/" + stats.CONTROL_NAME
+                        else f"a name over {NAME_MAX} bytes (NAME_MAX)")
 
     @boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -848,6 +861,7 @@ class CpfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self.ns.node(parent_inode)
+        check_room(posixpath.join(parent.path, _name(name)))     # not at its close, after the writes
         node = self.ns.create(parent, _name(name), is_dir=False)
         try:
             w = await self._session(node, truncate=True, mode=mode & 0o7777)
@@ -1033,7 +1047,7 @@ class CpfsOperations(pyfuse3.Operations):
 
     # -- extended attributes ("user." only; stored in the summary, see cpfs/manifest.py) -------------
     def _xattr_name(self, inode: int, name: bytes) -> str:
-        text = os.fsdecode(name)
+        text = name_text(name)
         if inode == stats.CONTROL_INO or not text.startswith(XATTR_NAMESPACE):
             raise pyfuse3.FUSEError(errno.ENOTSUP)
         if len(name) > XATTR_NAME_MAX:
@@ -1065,7 +1079,7 @@ class CpfsOperations(pyfuse3.Operations):
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if inode == stats.CONTROL_INO:
             return []
-        return [os.fsencode(k) for k in sorted(self._xattrs(self.ns.node(inode)))]
+        return [name_bytes(k) for k in sorted(self._xattrs(self.ns.node(inode)))]
 
     @boundary
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -1125,6 +1139,7 @@ class CpfsOperations(pyfuse3.Operations):
         owner = self._owner(parent, ctx)
         if is_dir and parent.summary is not None and parent.summary.mode & stat.S_ISGID:
             mode |= stat.S_ISGID
+        check_room(posixpath.join(parent.path, _name(name)), kind.get("symlink", ""))
         node = self.ns.create(parent, _name(name), is_dir=is_dir)
         now = time.time_ns()
         first = Manifest(path=node.path, size=0, mtime_ns=now, mode=mode, chunk_size=self.config.chunk_size,
@@ -1300,14 +1315,14 @@ class CpfsOperations(pyfuse3.Operations):
         """A symbolic link is a version of its own: a manifest with a target and no chunks, committed
         at once (so every mount sees it), relative or absolute as given."""
         return await self._create_committed(parent_inode, name, ctx, is_dir=False, mode=0o777,
-                                            symlink=os.fsdecode(target))
+                                            symlink=name_text(target))
 
     @boundary
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         node = self.ns.node(inode)
         if node.summary is None or not node.summary.symlink:
             raise pyfuse3.FUSEError(errno.EINVAL)
-        return os.fsencode(node.summary.symlink)
+        return name_bytes(node.summary.symlink)
 
     @boundary
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
@@ -1378,6 +1393,6 @@ def _kernel_forget(ino: int, parent: int | None, name: str | None) -> None:
         if name is None:
             pyfuse3.invalidate_inode(ino)
         else:
-            pyfuse3.invalidate_entry(parent, os.fsencode(name))
+            pyfuse3.invalidate_entry(parent, name_bytes(name))
     except OSError:
         pass          # the kernel did not have it cached

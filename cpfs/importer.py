@@ -17,10 +17,11 @@ from pathlib import Path
 
 import trio
 
+from . import stats
 from .catalog import Catalog
 from .chunking import cut, cut_points
 from .errors import CpfsError, IsADirectory, NotADirectory
-from .manifest import ChunkEntry, Manifest, Summary, normalize_path, parent_dirs
+from .manifest import NAME_MAX, ChunkEntry, Manifest, Summary, check_room, name_bytes, normalize_path, parent_dirs
 from .pool import StorePool
 from .tensor_index import TensorIndex, build_index
 from .upload import Uploader, encode_span, in_parallel
@@ -120,6 +121,8 @@ class Importer:
             pairs = [(p, f"{dest}/{p.relative_to(src).as_posix()}") for p in files]
         else:
             pairs = [(src, dest)]
+        for _, d in pairs:
+            _check_showable(d)
         await self._check_kinds([d for _, d in pairs])
         return [await self.put_file(p, d) for p, d in pairs]
 
@@ -139,3 +142,15 @@ class Importer:
             for parent in parent_dirs(d):
                 if parent in existing and not is_folder(parent):
                     raise NotADirectory(f"{parent}: a file, so {d} cannot go inside it; nothing was stored")
+
+
+def _check_showable(path: str) -> None:
+    """Refuse a path no mount can show, before anything is stored: a name over NAME_MAX bytes (a
+    mount's listing of its folder failed with EIO) or the control file's (it hid the mount's figures
+    from `cpfs stats`), or a path too long for a manifest (`check_room`). The mount refuses them too."""
+    if long := [p for p in path.split("/") if len(name_bytes(p)) > NAME_MAX]:
+        raise CpfsError(f"{path}: a name of {len(name_bytes(long[0]))} bytes: at most {NAME_MAX} (NAME_MAX), or "
+                        f"no mount could show it; nothing was stored")
+    if path == "/" + stats.CONTROL_NAME:
+        raise CpfsError(f"{path}: the name of a mount's control file (`cpfs stats`); nothing was stored")
+    check_room(path)

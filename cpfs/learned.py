@@ -52,7 +52,6 @@ import bisect
 import hashlib
 import json
 import logging
-import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +61,7 @@ import trio
 
 from .config import Config, staging_dir, store_set_id
 from .errors import MALFORMED, CpfsError, NoSuchObject
-from .manifest import Manifest
+from .manifest import Manifest, name_bytes
 from .placement import place
 from .plan import KEPT, Plan, PlanStats
 from .readahead import SLICE_TOLERANCE, FileReader, Layout, Scheduler, Unit, zip_header_chunks
@@ -159,7 +158,7 @@ class StoreShared:
 
     @staticmethod
     def key(schema: str, unit: str) -> str:
-        return f"{SHARED_PREFIX}{schema}/{hashlib.blake2b(os.fsencode(unit), digest_size=16).hexdigest()}.json"
+        return f"{SHARED_PREFIX}{schema}/{hashlib.blake2b(name_bytes(unit), digest_size=16).hexdigest()}.json"
 
     async def get(self, schema: str, unit: str) -> list[Recording]:
         """The recordings of `schema` that landed in `unit`; none if there is no object."""

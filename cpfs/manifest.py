@@ -39,7 +39,7 @@ from typing import Any
 import blake3
 
 from .chunk import BLOCK, BLOCK_CHECK_SIZE
-from .errors import ManifestError
+from .errors import ManifestError, NameTooLong
 
 FORMAT = 2
 READABLE_FORMATS = (1, 2)          # format 1: one document per path, before version history
@@ -58,10 +58,31 @@ XATTR_SIZE_MAX = 65536             # bytes of one value, as Linux (larger: E2BIG
 XATTR_TOTAL_MAX = 4096             # names and values of one file together, as ext4's one block (ENOSPC)
 
 
+NAME_MAX = 255          # bytes of one name, as Linux (statfs f_namemax; longer: ENAMETOOLONG)
+
+
+def name_bytes(text: str) -> bytes:
+    """A path or name as the kernel and the stores know it: UTF-8, and bytes that are no UTF-8 kept
+    as os.fsdecode keeps them under a UTF-8 locale (surrogateescape), whatever this process's locale:
+    a mount or command run under LANG=C (not coerced to UTF-8) hashed paths by its ASCII codec and
+    failed on every non-ASCII one (an audit's find)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def name_text(raw: bytes) -> str:
+    """The inverse of `name_bytes`: a name from the kernel (or the command line) as cpfs keeps it."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
 def normalize_path(path: str) -> str:
-    """'/run1/step_100.pt' form: absolute, no '.', '..' or empty components."""
+    """'/run1/step_100.pt' form: absolute, no '.', '..' or empty components, and text as `name_text`
+    makes it (a command line decoded by an ASCII locale names the same path as a UTF-8 one)."""
     if not isinstance(path, str) or "\0" in path:
         raise ManifestError(f"invalid path {path!r}")
+    try:
+        path = name_text(name_bytes(path))
+    except UnicodeError:                # a lone surrogate that stands for no byte
+        raise ManifestError(f"invalid path {path!r}") from None
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if any(p == ".." for p in parts):
         raise ManifestError(f"path {path!r} may not contain '..'")
@@ -72,8 +93,8 @@ def normalize_path(path: str) -> str:
 
 def path_hash(path: str) -> str:
     """Names a path's folder of manifest versions on the stores: a hash, since paths may be long or
-    hold any character (names that are not UTF-8 too: bytes kept as os.fsdecode keeps them)."""
-    return blake3.blake3(os.fsencode(path)).hexdigest()[:40]
+    hold any character (names that are not UTF-8 too: `name_bytes`)."""
+    return blake3.blake3(name_bytes(path)).hexdigest()[:40]
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,19 @@ _SUMMARY_KEYS = ("format", "path", "size", "mtime_ns", "mode", "version", "write
 SPECIALS = ("fifo", "socket", "char", "block")   # mknod's kinds (no content: the kernel serves them)
 Xattrs = tuple[tuple[str, bytes], ...]     # (name, value), sorted by name
 SUMMARY_MAX = 16 * 1024      # a summary line is at most this long (path and reason are bounded)
+# Of a summary line, what a path and a symlink's target may take as JSON text (`check_room`); the
+# rest holds xattrs (XATTR_TOTAL_MAX, base64) and the other fields.
+PATH_ROOM = SUMMARY_MAX // 2
+
+
+def check_room(path: str, symlink: str = "") -> None:
+    """NameTooLong unless a version of `path` (a symlink to `symlink`) fits its summary line. Paths are
+    JSON text there, so a character that is no ASCII takes 6-12 bytes: a symlink or folder within
+    PATH_MAX failed with EIO, and a file would have failed at its close (an audit's find)."""
+    used = len(json.dumps(path)) + len(json.dumps(symlink))
+    if used > PATH_ROOM:
+        raise NameTooLong(f"{path}: its path{' and target' if symlink else ''} take {used} bytes of a "
+                          f"manifest's summary line, at most {PATH_ROOM}")
 
 
 @dataclass(frozen=True)
@@ -226,7 +260,7 @@ class Manifest:
         line = json.dumps(head, separators=(",", ":")).encode()[:-1]
         line += b',"check":"' + _check(line).encode() + b'"}'
         if len(line) >= SUMMARY_MAX:
-            raise ManifestError(f"{self.path}: summary of {len(line)} bytes is too long")
+            raise NameTooLong(f"{self.path}: summary of {len(line)} bytes is too long")
         return line + b"\n" + rest
 
     @classmethod

@@ -36,8 +36,8 @@ with keep_versions = 1 retired the mounts' history with its first commit.
 
 Caveats: a roster is only as complete as its writers' enrollments. Stores written before rosters
 existed have none until a writer starts; an enrollment that no store took is logged by its writer. A
-config whose store names differ from the mounts' for the same folders or buckets is not recognised
-(store names are part of the manifest format already: they must agree anyway).
+config whose store names differ from the mounts' for the same folders or buckets is refused by the
+stores' identities (cpfs/identity.py), as is one whose URL points at another deployment's store.
 """
 from __future__ import annotations
 

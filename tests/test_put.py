@@ -387,6 +387,41 @@ def test_put_over_a_folder_or_inside_a_file_is_refused_and_stores_nothing(tmp_pa
     assert "notes.txt" in cpfs("ls", "/c/run1", config=config, text=True).stdout
 
 
+def test_put_of_a_name_no_mount_can_show_is_refused_and_stores_nothing(tmp_path: Path) -> None:
+    """A name over 255 bytes, or the control file's, is refused with one line, before anything is
+    stored. Both were stored: the first made its folder's listing fail with EIO in every mount, the
+    second hid the mount's figures (`cpfs stats` failed with a traceback) (an audit's find)."""
+    config = write_config(tmp_path / "cfg")
+    (tmp_path / "f.bin").write_bytes(b"data")
+    for dest, why in [(f"/long/{'a' * 256}", "a name of 256 bytes: at most 255 (NAME_MAX)"),
+                      (f"/long/{'é' * 128}", "a name of 256 bytes: at most 255 (NAME_MAX)"),
+                      ("/.cpfs-stats", "the name of a mount's control file")]:
+        r = cpfs("put", str(tmp_path / "f.bin"), dest, config=config, check=False, text=True)
+        assert r.returncode == 1 and r.stderr.startswith(f"cpfs: error: {dest}: {why}"), r.stderr
+        assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert not list((tmp_path / "cfg" / "stores").glob("*/chunks/*/*"))
+    assert not list((tmp_path / "cfg" / "stores").glob("*/manifests/*"))
+    cpfs("put", str(tmp_path / "f.bin"), f"/long/{'a' * 255}", config=config)      # 255: fine
+    cpfs("put", str(tmp_path / "f.bin"), "/sub/.cpfs-stats", config=config)        # not at the root: fine
+
+
+def test_commands_name_the_same_paths_under_any_locale(tmp_path: Path) -> None:
+    """Under LANG=C, not coerced to UTF-8, a command names the path a UTF-8 one does: a put there
+    reads back under UTF-8 and the other way round, and ls prints the name's bytes. Every command
+    failed with a traceback on the first non-ASCII path (its key hashed by the locale's codec)."""
+    config = write_config(tmp_path / "cfg")
+    c_locale = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    (tmp_path / "a.bin").write_bytes(b"put under C")
+    (tmp_path / "b.bin").write_bytes(b"put under UTF-8")
+    cpfs("put", str(tmp_path / "a.bin"), "/loc/café-a.pt", config=config, env=c_locale)
+    cpfs("put", str(tmp_path / "b.bin"), "/loc/café-b.pt", config=config)
+    assert cpfs("cat", "/loc/café-a.pt", config=config).stdout == b"put under C"
+    assert cpfs("cat", "/loc/café-b.pt", config=config, env=c_locale).stdout == b"put under UTF-8"
+    for env in (c_locale, None):
+        out = cpfs("ls", "/loc", config=config, env=env).stdout
+        assert out.count("café-a.pt".encode()) == 1 and out.count("café-b.pt".encode()) == 1, out
+
+
 def test_cat_unavailable_chunk(tmp_path: Path) -> None:
     """When every replica of a chunk is gone, cat exits 1 with a line naming the file, the offset, the
     chunk and the stores (no traceback)."""

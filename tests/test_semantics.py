@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import shutil
 import socket
@@ -19,7 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import trio
 
+from conftest import cpfs
 from cpfs.config import parse_config
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
@@ -525,3 +528,78 @@ def test_a_file_name_that_is_not_utf8_is_saved_listed_read_and_removed(make_conf
     os.unlink(root + b"/run-\xfe/" + name)
     os.rmdir(root + b"/run-\xfe")
     assert os.listdir(root) == [] and os.listdir(b) == []
+
+
+async def _put_as_an_older_cpfs_did(cfg: Path, src: Path, dest: str) -> None:
+    """Store `dest` as `cpfs put` did before it refused names no mount can show (`Importer.put_file`
+    checks none)."""
+    from cpfs.catalog import Catalog
+    from cpfs.config import load_config
+    from cpfs.importer import Importer
+
+    pool = StorePool(load_config(cfg))
+    try:
+        await Importer(pool, Catalog(pool)).put_file(src, dest)
+    finally:
+        await pool.aclose()
+
+
+def test_stored_names_no_listing_may_carry_are_left_out_of_it(make_config, tmp_path, mount):
+    """A name over 255 bytes, and one at the control file's, stored by an older `cpfs put`: the folder
+    lists its other names (the kernel failed the whole listing with EIO), the root does not list the
+    control file's name twice, and `.cpfs-stats` still serves the mount's figures (it served the file,
+    and `cpfs stats` failed with a traceback). Each is logged once (an audit's find)."""
+    cfg = config(make_config, tmp_path)
+    src = tmp_path / "f.bin"
+    src.write_bytes(b"data")
+    for dest in (f"/long/{'a' * 300}", "/long/ok.bin", "/.cpfs-stats", "/top.bin"):
+        trio.run(_put_as_an_older_cpfs_did, cfg, src, dest)
+    m = mount(cfg)
+    for _ in range(2):
+        assert os.listdir(m.path / "long") == ["ok.bin"]
+        assert sorted(os.listdir(m.path)) == ["long", "top.bin"]
+    assert "stores" in json.loads((m.path / ".cpfs-stats").read_bytes())
+    assert cpfs("stats", str(m.path), config=cfg).returncode == 0
+    log_text = m.log.read_text()
+    assert log_text.count(f"'/long/{'a' * 300}': not listed: a name over 255 bytes") == 1
+    assert log_text.count("'/.cpfs-stats': not listed: the control file's name") == 1
+
+
+def test_paths_too_long_for_a_manifest_are_enametoolong_at_once(make_config, tmp_path, mount):
+    """Paths are JSON text in a manifest's summary line (16 KiB): a character that is no ASCII takes
+    6-12 bytes there. A symlink or folder within PATH_MAX whose path and target did not fit failed
+    with EIO, and a file there failed at its close, after every write (an audit's find). Now the
+    create, mkdir and symlink answer ENAMETOOLONG; shorter ones of the same kind work."""
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    emoji = "\U0001F600" * 60                               # 240 bytes, 720 bytes of JSON
+    deep = m.path.joinpath(*[emoji] * 12)                   # 2.9 KB of path, 8.6 KB of JSON
+    shallow = m.path.joinpath(*[emoji] * 4)
+    os.makedirs(shallow)
+    os.symlink("\U0001F600" * 100, shallow / "link")
+    (shallow / "f").write_bytes(b"x")
+    assert os.readlink(shallow / "link") == "\U0001F600" * 100 and (shallow / "f").read_bytes() == b"x"
+    with pytest.raises(OSError) as e:
+        os.makedirs(deep)
+    assert e.value.errno == errno.ENAMETOOLONG
+    with pytest.raises(OSError) as e:
+        os.symlink("\U0001F600" * 1000, shallow / "long-link")
+    assert e.value.errno == errno.ENAMETOOLONG
+    assert deep.parent.is_dir()                             # 11 levels fit: makedirs made them
+    with pytest.raises(OSError) as e:
+        open(deep.parent / emoji, "wb")
+    assert e.value.errno == errno.ENAMETOOLONG
+
+
+def test_a_name_with_control_characters_is_logged_on_one_line(make_config, tmp_path, mount):
+    """`mv` allows any byte but '/' and NUL in a name: a newline or an escape sequence in one split the
+    mount's log lines and could forge one (an audit's find). Each record is one line, escaped."""
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    name = "a\nINFO cpfs.fs: forged\x1b[31m"
+    (m.path / name).write_bytes(b"x")
+    os.unlink(m.path / name)
+    text = m.log.read_text()
+    assert not any(line.startswith("INFO cpfs.fs: forged") for line in text.splitlines())
+    assert "\x1b" not in text
+    assert "a\\nINFO cpfs.fs: forged\\x1b[31m" in text, text[-2000:]
