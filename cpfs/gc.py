@@ -47,7 +47,11 @@ finds the copies gone at its commit's renewal and stores them again, or fails th
 A touch that lands inside delete_if_older, between its age check and the deletion, remains: on folder
 stores that moment does not exist (the store claims the file by a rename before it judges the age,
 and dedup looks the copy up again after touching it: a copy a claim took is "missing" and written
-again); on S3, which has no delete conditional on age, it is one request round trip (HEAD, then DELETE).
+again); on S3, which has no delete conditional on age, the DELETE is conditional on the ETag the HEAD
+saw (If-Match), and a touch changes the ETag (cpfs/store/s3.py), so the moment does not exist there
+either, however late the server carries the DELETE out (an unconditional one that an overloaded gateway
+carried out after the pool had given up on it deleted a copy a save had touched and committed since:
+an audit's find). A server without conditional deletes leaves one request round trip.
 
 A listed version that is gone when gc reads it was retired by a newer commit of its path (or was the
 key of a commit that failed and took it back). That newer commit may name the chunks without having

@@ -15,6 +15,7 @@ Credentials are fake and come from the environment, the first link of the standa
 from __future__ import annotations
 
 import atexit
+import http.client
 import http.server
 import os
 import socket
@@ -267,6 +268,79 @@ class ErrorEndpoint:
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+class DelayingProxy:
+    """A forwarding HTTP proxy on 127.0.0.1 in front of an S3 server that holds back the DELETEs of
+    keys containing `hold` until `release()`, and then forwards them, however long their client has
+    given up: a gateway slow to carry out a request (an overloaded Ceph RGW). `held` is set once one
+    waits. With `refuse_conditional`, a DELETE carrying If-Match is answered 501, as by a server
+    without conditional deletes."""
+
+    def __init__(self, upstream: str, hold: str, *, refuse_conditional: bool = False) -> None:
+        self.held = threading.Event()
+        self.forwarded_late = 0
+        self._release = threading.Event()
+        target = upstream.removeprefix("http://")
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.command == "DELETE" and refuse_conditional and "If-Match" in self.headers:
+                    return self._reply(501, {"Content-Type": "application/xml"},
+                                       b"<Error><Code>NotImplemented</Code></Error>")
+                if self.command == "DELETE" and hold in self.path:
+                    proxy.held.set()
+                    proxy._release.wait()
+                    proxy.forwarded_late += 1
+                conn = http.client.HTTPConnection(target, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body,
+                                 headers={k: v for k, v in self.headers.items() if k.lower() != "connection"})
+                    resp = conn.getresponse()
+                    self._reply(resp.status, dict(resp.getheaders()), resp.read())
+                finally:
+                    conn.close()
+
+            def _reply(self, status: int, headers: dict[str, str], data: bytes) -> None:
+                try:
+                    self.send_response(status)
+                    for k, v in headers.items():
+                        if k.lower() not in ("content-length", "connection", "transfer-encoding"):
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                except OSError:
+                    self.close_connection = True    # the client gave up on it: the request was carried out
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def release(self) -> None:
+        self._release.set()
+
+    def __enter__(self) -> DelayingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._release.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()

@@ -49,6 +49,7 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float
+    tag: str = ""       # the store's entity tag of these bytes and this age (S3's ETag); "" if none
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class S3Store(Store):
         # Built in a worker thread on first use: making a client reads files and is slow (~0.1 s).
         self._client: Any = None
         self._client_lock = threading.Lock()
+        self._unconditional_deletes = False     # the server answered If-Match on a DELETE with 501
 
     def __repr__(self) -> str:
         return f"S3Store({self.name!r}, {self._where!r})"
@@ -307,15 +308,76 @@ class S3Store(Store):
     async def stat(self, key: str) -> ObjectInfo:
         full = self._key(key)
         resp = await self._run(repr(key), lambda c: c.head_object(Bucket=self.bucket, Key=full))
-        return ObjectInfo(key=key, size=resp["ContentLength"], mtime=resp["LastModified"].timestamp())
+        return ObjectInfo(key=key, size=resp["ContentLength"], mtime=resp["LastModified"].timestamp(),
+                          tag=resp.get("ETag", ""))
 
     async def touch(self, key: str) -> None:
         """A copy of the object onto itself (server-side, no bytes through us): S3 has no other way to
-        renew LastModified. REPLACE is what makes a self-copy legal; we keep no metadata to lose."""
+        renew LastModified. It also changes the object's ETag, which `delete_if_older` deletes by: a
+        copy in one piece gives the MD5 of the bytes, a copy as a one-part upload "md5-of-md5-1", so
+        the touch takes the form the object is not in. REPLACE is what makes a self-copy legal; we keep
+        no metadata to lose. Caveat: a one-part copy cancelled midway leaves an incomplete upload (a
+        bucket lifecycle rule aborts those)."""
         full = self._key(key)
-        await self._run(f"touch {key!r}", lambda c: c.copy_object(
-            Bucket=self.bucket, Key=full, CopySource={"Bucket": self.bucket, "Key": full},
-            MetadataDirective="REPLACE"))
+        source = {"Bucket": self.bucket, "Key": full}
+
+        def touch(c: Any) -> None:
+            head = c.head_object(Bucket=self.bucket, Key=full)
+            if "-" in head.get("ETag", "") or not head["ContentLength"]:
+                c.copy_object(Bucket=self.bucket, Key=full, CopySource=source, MetadataDirective="REPLACE")
+                return
+            upload = c.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
+            try:
+                part = c.upload_part_copy(Bucket=self.bucket, Key=full, UploadId=upload, PartNumber=1,
+                                          CopySource=source)["CopyPartResult"]["ETag"]
+                c.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload, MultipartUpload={
+                    "Parts": [{"ETag": part, "PartNumber": 1}]})
+            except BaseException:
+                try:
+                    c.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
+                except Exception:       # the error that brought us here is the one to report
+                    log.debug("store %r: could not abort the upload of a touch of %r", self.name, key)
+                raise
+        await self._run(f"touch {key!r}", touch)
+
+    async def delete_if_older(self, key: str, before: float) -> bool:
+        """A HEAD, then a DELETE only while the ETag is the one the HEAD judged old (If-Match): a touch
+        (which changes the ETag) or a rewrite that lands before the server carries the DELETE out keeps
+        the object, however late that is. An unconditional DELETE that the server was slow to carry out
+        (an overloaded gateway; the pool gave up on it after its timeout) deleted a copy that a save had
+        touched and committed meanwhile: the save, said done, lost a chunk (an audit's find). A server
+        that refuses conditional deletes (501) gets an unconditional one, logged once."""
+        try:
+            info = await self.stat(key)
+        except NoSuchObject:
+            return False
+        if info.mtime >= before:
+            return False
+        full = self._key(key)
+
+        def delete(c: Any) -> bool | None:
+            from botocore.exceptions import ClientError
+            try:
+                c.delete_object(Bucket=self.bucket, Key=full, IfMatch=info.tag or "*")
+            except ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status in (404, 412):    # gone, or changed since the HEAD: a touch, a rewrite
+                    return False
+                if status == 501:
+                    return None
+                raise
+            return True
+
+        deleted = await self._run(f"delete {key!r}", delete)
+        if deleted is None:
+            if not self._unconditional_deletes:
+                self._unconditional_deletes = True
+                log.warning("store %r: %s refuses conditional deletes (If-Match): gc deletes unconditionally, "
+                            "and a touch in the moment before a delete lands is lost with the object",
+                            self.name, self._where)
+            await self.delete(key)
+            return True
+        return deleted
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         full = self._key(key)
