@@ -399,8 +399,12 @@ class Catalog:
         return await self.manifest(await self.current(path))
 
     async def history(self, path: str) -> list[VersionInfo]:
-        """Every kept version, newest first."""
+        """Every kept version, newest first. StoreUnavailable if the listing missed stores that may hold
+        some: `cpfs log` and `restore` said the path had no versions while its stores were down (an
+        audit's find)."""
         refs, where, committed = await self._refs(path)
+        if not self.listed_enough(path, where.missed):
+            raise self._unlisted(path, where.missed, "to list them all")
         refs = counted(refs, committed)
         cur = current_of(refs, committed)
         out: list[VersionInfo] = []

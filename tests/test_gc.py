@@ -1413,3 +1413,20 @@ async def test_a_rename_of_a_version_saved_long_ago_renews_its_chunks(tmp_path: 
     else:
         assert w.pool.replica_statistics().renewed == 0 and min(ages) > GRACE
     assert await w.read("/ckpt.prev.pt") == data
+
+
+def test_log_and_restore_say_when_the_stores_that_hold_a_paths_versions_are_down(tmp_path: Path) -> None:
+    """With the stores of a path's placement down, `cpfs log`, `restore` and `cat --version` fail
+    naming them, as `cat` does. They said the path had no versions (an audit's find: an operator told
+    that the checkpoint is gone)."""
+    up = _stores_config(tmp_path, "up.toml", range(3))
+    src = tmp_path / "src.bin"
+    for _ in range(2):
+        src.write_bytes(os.urandom(50_000))
+        cpfs("put", str(src), "/ck.pt", config=up)
+    down = _stores_config(tmp_path, "down.toml", range(3), down=place(path_hash("/ck.pt"), ["s0", "s1", "s2"], 2))
+    for args in (["log", "/ck.pt"], ["restore", "/ck.pt", "1"], ["cat", "/ck.pt", "--version", "1"]):
+        r = cpfs(*args, config=down, check=False)
+        assert r.returncode == 1 and b"cannot list the versions of /ck.pt on enough stores" in r.stderr, (args, r.stderr)
+        assert b"no version" not in r.stderr
+    assert _versions(up, "/ck.pt") == [(2, "ok"), (1, "ok")]
