@@ -21,11 +21,13 @@ read it from every store before anything else:
   S3), then read back, so that mounts starting together on new stores all take the one that landed.
   A store that was down could hold an older one that the new one would contradict.
 Caveats: a store down when a command starts is checked at the next start that reaches it (as for
-`roster.blank`). A store whose identity does not parse is logged and left as it is, not refused.
+`roster.blank`). A store whose identity does not parse or match its check is logged and left as it
+is, not refused.
 Stores of two deployments are merged on purpose by deleting KEY from the stores of one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import uuid
@@ -48,22 +50,33 @@ class Identity:
     deployment: str
     store: str
 
+    def _fields(self) -> dict[str, object]:
+        return {"format": FORMAT, "deployment": self.deployment, "store": self.store}
+
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, "deployment": self.deployment, "store": self.store},
-                          sort_keys=True).encode()
+        return json.dumps(self._fields() | {"check": _check(self._fields())}, sort_keys=True).encode()
 
     @classmethod
     def parse(cls, data: bytes) -> Identity:
-        """ManifestError (bad stored metadata) if `data` is not an identity of this format."""
+        """ManifestError (bad stored metadata) if `data` is not an identity of this format, or does not
+        match its check: a flipped bit must not pass for another deployment (a fault drill's corrupt
+        read of one refused a mount) but leave the store unchecked (`claim` logs it)."""
         try:
             doc = json.loads(data)
             ok = doc.get("format") == FORMAT and all(isinstance(doc.get(k), str) and doc[k]
                                                      for k in ("deployment", "store"))
+            ident = cls(doc["deployment"], doc["store"]) if ok else None
         except MALFORMED:           # json's errors, and bytes that are no UTF-8, are ValueErrors
-            ok = False
-        if not ok:
+            ident = None
+        if ident is None:
             raise ManifestError(f"{KEY}: not a store identity of format {FORMAT}")
-        return cls(doc["deployment"], doc["store"])
+        if doc.get("check") != _check(ident._fields()):
+            raise ManifestError(f"{KEY}: does not match its check: a damaged copy")
+        return ident
+
+
+def _check(fields: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

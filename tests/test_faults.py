@@ -169,6 +169,32 @@ async def test_writes_below_quorum_fail_cleanly(tmp_path: Path) -> None:
         assert not [p for p in (tmp_path / f"s{i}").rglob("*") if p.name.endswith(".cpfs-tmp")]
 
 
+async def test_a_write_right_after_an_outage_ended_probes_the_store_instead_of_failing(tmp_path: Path) -> None:
+    """A store marked down that answers again: the next write probes it (one probe for the writes at
+    that moment) and lands, without waiting for the background probe. It failed at once until that
+    probe ran, a save 130 ms after the outage ended among them (an audit's find). A store still down
+    fails the write after its probe."""
+    config = _config(tmp_path)
+    faulty = [FaultyStore(s) for s in _folders(config)]
+    pool = StorePool(config, stores=faulty, probe_interval=3600)      # no background probe in time
+    faulty[1].down = True
+    chunks = [chunkfmt.encode(os.urandom(40_000 + i)) for i in range(DOWN_AFTER + 4)]
+    for enc in chunks[:DOWN_AFTER]:
+        with pytest.raises(StoreUnavailable):
+            await pool.store_chunk(enc, ["s0", "s1"], quorum=2)
+    assert _down(pool, "s1")
+    faulty[1].down = False
+    async with trio.open_nursery() as n:                                # writes at one moment
+        for enc in chunks[DOWN_AFTER:]:
+            n.start_soon(pool.store_chunk, enc, ["s0", "s1"], 2)
+    assert not _down(pool, "s1") and pool.health()[1].probes == 1
+    faulty[1].down = True
+    for enc in chunks[:DOWN_AFTER + 1]:
+        with pytest.raises(StoreUnavailable):
+            await pool.store_chunk(enc, ["s1", "s2"], quorum=2)
+    assert _down(pool, "s1") and pool.health()[1].probes == 2
+
+
 async def test_down_in_config_is_a_drill_not_a_config_error(tmp_path: Path) -> None:
     """`down = true` on a [[store]]: check() marks it down instead of refusing to start, reads and
     writes go to the others."""
@@ -229,7 +255,8 @@ async def test_hung_store_fails_over_within_the_timeout(tmp_path: Path) -> None:
             await pool.list_keys("s0", "chunks/")
         with pytest.raises(StoreUnavailable):
             await pool.store_chunk(chunkfmt.encode(b"new" * 1000), ["s0", "s2"], quorum=2)
-    assert faulty[0].statistics().hung == 1
+    assert faulty[0].statistics().hung == 2         # the read, then the write's probe (`_revive`)
+    assert pool.health()[0].probes == 1
 
 
 async def test_hang_in_config_at_startup(tmp_path: Path) -> None:
