@@ -92,7 +92,11 @@ class Enrollment:
 
     @classmethod
     def parse(cls, key: str, data: bytes) -> Enrollment:
-        """ManifestError (bad stored metadata) if the object is not an enrollment of this format."""
+        """ManifestError (bad stored metadata) if the object is not an enrollment of this format, or
+        its bytes do not hash to its key (a copy that rotted: `read` takes another store's; one whose
+        digits flipped parsed, and a shorter gc_grace would have let gc delete what mounts count on)."""
+        if key != f"{PREFIX}{hashlib.sha256(data).hexdigest()[:32]}.json":
+            raise ManifestError(f"roster object {key}: its bytes do not match its name: a damaged copy")
         try:
             doc = json.loads(data)
             stores, grace, keep = doc["stores"], doc["gc_grace"], doc.get("keep_removed")

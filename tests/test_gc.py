@@ -8,6 +8,7 @@ primitives (stat, list_info, touch, delete_if_older) is in the store contract su
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -1081,7 +1082,24 @@ async def test_a_roster_object_that_is_not_an_enrollment_makes_gc_refuse(tmp_pat
     for p in _stores_root(tmp_path).glob(f"s*/roster/{key}"):
         p.write_text('{"format": 1, "stores": "s0"}')
     report = await _gc(cfg)
-    assert "not a store enrollment" in report.refused and report.stores == ()
+    assert "its bytes do not match its name" in report.refused and report.stores == ()
+
+
+async def test_a_rotten_copy_of_an_enrollment_is_passed_over_for_an_intact_one(tmp_path: Path) -> None:
+    """One store's copy of the mounts' enrollment rots into JSON that still parses, its gc_grace of 10 h
+    now 1 h: gc takes another store's copy and keeps the 10 h. It took the rotten copy when that store
+    answered first, and would have deleted chunks a mount counts on (an enrollment's name is the hash of
+    its bytes: a copy that does not hash to it is damaged)."""
+    cfg = _config(tmp_path)
+    await roster.enroll(_pool(_config(tmp_path, gc_grace="10h", name="mount.toml")))
+    for p in _stores_root(tmp_path).glob("s[01]/roster/*.json"):     # s2's copy stays intact
+        if b"36000.0" in p.read_bytes():
+            rotten = p.read_bytes().replace(b"36000.0", b"3600.00")
+            assert json.loads(rotten)["gc_grace"] == 3600
+            p.write_bytes(rotten)
+    # s2 answers its listing last, so its copy is the last one read.
+    report = await _gc(cfg, wrap=lambda s: ThrottledStore(s, latency=0.2, bandwidth=1e9) if s.name == "s2" else s)
+    assert report.refused == "" and report.grace == 36000
 
 
 GARBAGE = {"huge-number": b'{"format":1,"lease":' + b"9" * 400 + b',"gc_grace":' + b"9" * 400
@@ -1100,7 +1118,9 @@ async def test_a_hold_or_roster_object_of_garbage_makes_gc_refuse_not_crash(tmp_
     await Writer(tmp_path, cfg, "a1").put("/a.pt", os.urandom(SIZE))
     where = _stores_root(tmp_path) / "s0" / folder
     where.mkdir(exist_ok=True)
-    (where / ("ffff.1.json" if folder == "holds" else "0" * 32 + ".json")).write_bytes(GARBAGE[what])
+    # A roster object named by the hash of its bytes, as enrollments are: the parser has to judge it.
+    name = "ffff.1.json" if folder == "holds" else hashlib.sha256(GARBAGE[what]).hexdigest()[:32] + ".json"
+    (where / name).write_bytes(GARBAGE[what])
     report = await _gc(cfg)
     assert ("not a hold" if folder == "holds" else "not a store enrollment") in report.refused
 
