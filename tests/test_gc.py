@@ -1262,13 +1262,17 @@ def test_a_rotation_through_the_mount_frees_its_space_once_keep_removed_has_pass
 
 async def test_a_purge_cut_short_leaves_the_path_removed(tmp_path: Path) -> None:
     """One store refuses to delete the oldest version of an expired history: the purge deletes what it
-    can but keeps the removal, so the path stays removed (no older version comes back as current);
-    the next gc, with the store willing, finishes the purge."""
+    can but keeps the removal, so the path stays removed (no older version comes back as current), and
+    the version it could not delete keeps its chunks: `cpfs log` lists it, `restore` brings it back.
+    They were swept in the same run: scrub called them lost and restore failed (the gc audit's find).
+    The next gc, with the store willing, finishes the purge and frees them."""
     cfg = _config(tmp_path, keep=3)
     w = Writer(tmp_path, cfg, "a1")
-    first = await w.put("/old.pt", os.urandom(SIZE))
+    data = os.urandom(SIZE)
+    first = await w.put("/old.pt", data)
     await w.put("/old.pt", os.urandom(SIZE))
     await w.catalog.remove("/old.pt")
+    _age_chunks(tmp_path)
     h = path_hash("/old.pt")
     oldest = f"manifests/{h}/{first.version:020d}.*"
 
@@ -1284,9 +1288,12 @@ async def test_a_purge_cut_short_leaves_the_path_removed(tmp_path: Path) -> None
     with pytest.raises(NotFound):
         await Writer(tmp_path, cfg, "b2").catalog.get("/old.pt")
     assert [i.ref.state for i in await Writer(tmp_path, cfg, "c3").catalog.history("/old.pt")] == ["deleted", "ok"]
+    assert _missing_copies(tmp_path, first) == []
+    assert await Writer(tmp_path, cfg, "d4").read("/old.pt", first.version) == data
     again = await GarbageCollector(_pool(cfg), grace=GRACE, keep_removed=0, settle=0).run()
     assert again.purged == 1 and again.ok
     assert not list(_stores_root(tmp_path).glob(f"s*/manifests/{h}/*"))
+    assert len(_missing_copies(tmp_path, first)) == 2 * len(first.chunks)       # freed now
 
 
 def test_gc_whose_deletions_fail_exits_1(tmp_path: Path) -> None:
