@@ -400,8 +400,10 @@ class StorePool:
         after an outage ended failed, its stores marked down until the next background probe (an
         audit's find: two mounts alternating saves got failures in 0.0 s, 130 ms after the stores
         answered again). A store that is still down costs the write one probe's wait at most."""
-        h = self._health[name]
-        if not h.up and (name in self._probing or trio.current_time() - h.probed >= REVIVE_AFTER):
+        h = self._health.get(name)         # None: a store this config lacks (`_call` says so)
+        if h is None or h.up:
+            return
+        if name in self._probing or trio.current_time() - h.probed >= REVIVE_AFTER:
             await self._probing.run(name, functools.partial(self._probe, name))     # or join the one running
 
     async def _probe(self, name: str) -> None:
