@@ -52,6 +52,7 @@ since (at most `[mount] refresh`: an open looks for newer versions that often).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -88,12 +89,14 @@ class Hold:
     chunks: frozenset[str]
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, "lease": self.lease, "version": self.version,
-                           "chunks": sorted(self.chunks)}, separators=(",", ":")).encode()
+        fields = {"format": FORMAT, "lease": self.lease, "version": self.version, "chunks": sorted(self.chunks)}
+        return json.dumps(fields | {"check": _check(fields)}, separators=(",", ":")).encode()
 
     @classmethod
     def parse(cls, key: str, data: bytes) -> Hold:
-        """ManifestError (bad stored metadata) if the object is not a hold of this format."""
+        """ManifestError (bad stored metadata) if the object is not a hold of this format, or does not
+        match its check (holds written before it had one have none): a digest with a flipped character
+        passed, and gc deleted the chunk the held version names (gc refuses instead)."""
         try:
             doc = json.loads(data)
             lease, version, chunks = doc["lease"], doc["version"], doc["chunks"]
@@ -104,7 +107,13 @@ class Hold:
             ok = False
         if not ok:
             raise ManifestError(f"hold {key}: not a hold of format {FORMAT}")
+        if "check" in doc and doc["check"] != _check({k: doc[k] for k in ("format", "lease", "version", "chunks")}):
+            raise ManifestError(f"hold {key}: does not match its check: a damaged copy")
         return cls(float(lease), version, frozenset(chunks))
+
+
+def _check(fields: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, kw_only=True)

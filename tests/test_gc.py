@@ -34,6 +34,7 @@ from cpfs.config import load_config, parse_config
 from cpfs.errors import (ChunkUnavailable, ConfigError, CorruptChunk, CpfsError, NoSuchObject, NotFound,
                          StoreError)
 from cpfs.gc import GarbageCollector, GcReport
+from cpfs.holds import Hold
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest, path_hash
 from cpfs.placement import place
@@ -1123,6 +1124,21 @@ async def test_a_hold_or_roster_object_of_garbage_makes_gc_refuse_not_crash(tmp_
     (where / name).write_bytes(GARBAGE[what])
     report = await _gc(cfg)
     assert ("not a hold" if folder == "holds" else "not a store enrollment") in report.refused
+
+
+async def test_a_hold_whose_digests_rotted_makes_gc_refuse(tmp_path: Path) -> None:
+    """A hold copy whose digest lost a character still parsed, and gc would have counted a chunk nobody
+    names instead of the held one (and deleted that). Holds carry a check: gc refuses, naming it."""
+    cfg = _config(tmp_path)
+    m = await Writer(tmp_path, cfg, "a1").put("/a.pt", os.urandom(SIZE))
+    hold = Hold(3600.0, "/a.pt@1", frozenset(c.digest for c in m.chunks)).to_bytes()
+    digest = m.chunks[0].digest
+    for i in range(3):
+        where = _stores_root(tmp_path) / f"s{i}" / "holds"
+        where.mkdir(exist_ok=True)
+        (where / "ffff.1.json").write_bytes(hold if i else hold.replace(digest.encode(), digest[:-1].encode() + b"x"))
+    report = await _gc(cfg)
+    assert "does not match its check" in report.refused and report.stores == ()
 
 
 def test_writers_enroll_and_cpfs_gc_with_an_old_config_refuses(tmp_path: Path, mount) -> None:
