@@ -6,8 +6,8 @@ The pool holds replica policy, nothing about any one kind of store:
   timeout is not retried on the same store: the caller fails over to the next replica at once;
 - health: a store that times out, or fails `DOWN_AFTER` requests in a row, is marked down: it is ranked
   after every store that is up (reads try it last), single-store requests to it fail at once, a write
-  probes it first (one probe shared by the writes of REVIVE_AFTER), and `run()` probes it (`check()`)
-  in the background until it answers;
+  that needs it probes it first (`_revive`), and `run()` probes it (`check()`) in the background until
+  it answers;
 - reads go through one replica iterator (`_read_replicas`): ranked replicas in turn, and *hedged*: a
   read slower than its store's recent p95 (bounded by `hedge_min`/`hedge_max`), and slower than the
   reads queued ahead of it on that store explain (saturated links are not a reason to hedge), also asks
@@ -395,11 +395,15 @@ class StorePool:
                     n.start_soon(self._probing.run, name, functools.partial(self._probe, name))
 
     async def _revive(self, name: str) -> None:
-        """A write's first step on a store marked down: probe it now, unless a probe started within
+        """The first step of a write that needs every one of its stores (`_put_quorum` with `need` of
+        them, or without run()) on a store marked down: probe it now, unless a probe started within
         REVIVE_AFTER (the writes at that moment share one), instead of failing at once. A save right
         after an outage ended failed, its stores marked down until the next background probe (an
         audit's find: two mounts alternating saves got failures in 0.0 s, 130 ms after the stores
-        answered again). A store that is still down costs the write one probe's wait at most."""
+        answered again). A store that is still down costs the write one probe's wait at most. A write
+        that may leave a store to the background does not wait: its put there fails at once, as it
+        did, and scrub completes the copy (a hung store would hold the background puts, and through
+        their bound the writer, a probe's time each)."""
         h = self._health.get(name)         # None: a store this config lacks (`_call` says so)
         if h is None or h.up:
             return
@@ -600,7 +604,6 @@ class StorePool:
             with trio.CancelScope(shield=True) as scope:    # run()'s cancellation waits for the grace
                 self._bg_scopes.add(scope)
                 try:
-                    await self._revive(name)
                     await fn(name)
                 except StoreError as e:
                     error = e
