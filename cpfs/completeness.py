@@ -7,8 +7,11 @@ first and records such bytes as a failed version instead (see cpfs/writer.py).
 
 The formats say where they end, so the check reads only headers and the tail, never the data:
 - a zip (torch.save, numpy.savez: it starts with a local header, b"PK\\x03\\x04") is complete once its
-  end-of-central-directory record ends the file and the central directory it points at fits before
-  that record (the directory is what a zip writer writes last);
+  end-of-central-directory record ends the file, the central directory it points at fits before
+  that record (the directory is what a zip writer writes last), and every member the directory names
+  is there: its local header, and its data's CRC (in the header, or in the data descriptor after the
+  data) as the directory has it. A save into a file opened "r+b" that was cut short leaves the old
+  directory at the end, over members it no longer describes (the ML workflows audit's find);
 - safetensors (an 8-byte little-endian header length N, then a JSON object of N bytes) is complete
   once the header is whole and the file reaches the largest `data_offsets` end the header names.
 Anything else (or bytes that only look like those formats at the first byte) is not judged: None.
@@ -25,6 +28,7 @@ ReadAt = Callable[[int, int], bytes]
 
 _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_CENTRAL = b"PK\x01\x02"
+_ZIP_DESCRIPTOR = b"PK\x07\x08"
 
 
 def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
@@ -45,21 +49,32 @@ def _zip_reason(read_at: ReadAt, size: int) -> str | None:
         return f"zip of {size} bytes: {e} (the writer stopped before the end)"
     if count and read_at(cd_offset, 4) != _ZIP_CENTRAL:
         return f"zip of {size} bytes: no central directory at offset {cd_offset}, where its end record says"
-    if base:
-        return _members_reason(read_at, size, cd_offset, cd_size, count, base)
-    return None
+    return _members_reason(read_at, size, cd_offset, cd_size, count, base)
 
 
 def _members_reason(read_at: ReadAt, size: int, cd_offset: int, cd_size: int, count: int,
                     base: int) -> str | None:
-    """A zip after other data (torch.distributed.checkpoint's back-to-back torch.save items) is whole
-    when every entry of its directory points at a local header: bytes cut off mid-save end a zip
-    only by chance, and then not one whose members are all where it says."""
+    """Whether every entry of the directory finds its member: a local header with its name, and data
+    whose CRC is the directory's. Bytes cut off mid-save end a zip only by chance (after other data:
+    torch.distributed.checkpoint's back-to-back torch.save items), and then not one whose members are
+    all where it says; a save over an old file in place ("r+b") cut short keeps the old directory, and
+    the members it rewrote carry other CRCs. Two small reads per member."""
     try:
-        for *_, local in central_entries(read_at(cd_offset, cd_size), count):
-            if read_at(base + local, 4) != _ZIP_LOCAL:
-                return f"zip of {size} bytes: no local header at offset {base + local}, where its directory says"
-    except _Malformed as e:
+        for e in central_entries(read_at(cd_offset, cd_size), count):
+            at = base + e.local
+            head = read_at(at, 30 + len(e.name))
+            if head[:4] != _ZIP_LOCAL or head[30:] != e.name:
+                return f"zip of {size} bytes: no local header of {e.name!r} at offset {at}, where its directory says"
+            if e.flags & 8:             # sizes and CRC in a data descriptor after the data (torch.save)
+                nlen, elen = struct.unpack_from("<HH", head, 26)
+                tail = read_at(at + 30 + nlen + elen + e.comp, 8)
+                crc = tail[4:8] if tail[:4] == _ZIP_DESCRIPTOR else tail[:4]
+            else:
+                crc = head[14:18]
+            if len(crc) < 4 or struct.unpack("<I", crc)[0] != e.crc:
+                return (f"zip of {size} bytes: member {e.name!r} at offset {at} is not the one its directory "
+                        f"describes (another CRC): a save over the file in place that stopped before the end")
+    except (_Malformed, struct.error) as e:
         return f"zip of {size} bytes: {e} at offset {cd_offset}"
     return None
 

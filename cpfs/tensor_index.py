@@ -313,7 +313,7 @@ def _zip_records(read_at: ReadAt, size: int) -> tuple[list[Record], int]:
         raise _Malformed(f"a zip after {base} bytes of other data (back-to-back torch.save items, as "
                          f"torch.distributed.checkpoint writes): one zip's index would miss the rest")
     records = []
-    for raw_name, flags, method, comp, local in central_entries(_read_exact(read_at, cd_offset, cd_size), count):
+    for raw_name, flags, method, comp, local, _ in central_entries(_read_exact(read_at, cd_offset, cd_size), count):
         if method != 0 or flags & 1:
             raise _Malformed("compressed or encrypted member")
         name = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
@@ -328,20 +328,28 @@ def _zip_records(read_at: ReadAt, size: int) -> tuple[list[Record], int]:
     return records, cd_offset
 
 
-def central_entries(cd: bytes, count: int) -> Iterator[tuple[bytes, int, int, int, int]]:
-    """(raw name, flags, method, compressed size, local header offset from the zip's start) of each
-    of the `count` entries of a central directory, zip64 sizes and offsets resolved."""
+class CentralEntry(NamedTuple):
+    name: bytes          # raw
+    flags: int
+    method: int
+    comp: int            # compressed size
+    local: int           # local header offset from the zip's start
+    crc: int             # CRC-32 of the member's data
+
+
+def central_entries(cd: bytes, count: int) -> Iterator[CentralEntry]:
+    """Each of the `count` entries of a central directory, zip64 sizes and offsets resolved."""
     pos = 0
     for _ in range(count):
         if cd[pos:pos + 4] != b"PK\x01\x02" or pos + 46 > len(cd):
             raise _Malformed("bad central directory entry")
-        (_, _, _, flags, method, _, _, _, comp, uncomp, nlen, elen, clen, _, _, _,
+        (_, _, _, flags, method, _, _, crc, comp, uncomp, nlen, elen, clen, _, _, _,
          local) = struct.unpack_from("<IHHHHHHIIIHHHHHII", cd, pos)
         raw_name = cd[pos + 46:pos + 46 + nlen]
         extra = cd[pos + 46 + nlen:pos + 46 + nlen + elen]
         pos += 46 + nlen + elen + clen
         _, comp, local = zip64_extra(extra, uncomp, comp, local)
-        yield raw_name, flags, method, comp, local
+        yield CentralEntry(raw_name, flags, method, comp, local, crc)
 
 
 def zip64_extra(extra: bytes, uncomp: int, comp: int, local: int = 0) -> tuple[int, int, int]:

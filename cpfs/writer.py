@@ -823,14 +823,13 @@ class WriteSession:
         scanner = None if self._scan_dirty else self._scanner  # resumed, if its bytes are unchanged
         return index, await self._file.run(cut_points, read_at, size, index, self._cs, scanner, limiter=limiter)
 
-    async def _incomplete(self, size: int, index: TensorIndex | None) -> str | None:
+    async def _incomplete(self, size: int) -> str | None:
         """Why the staged content is an incomplete checkpoint, if it is one (cpfs/completeness.py).
-        A file the indexer read whole is complete: its directory or header and every tensor are there."""
+        A file the indexer read whole is checked too: a save into the old file opened "r+b" that
+        stopped partway indexes fine (the old directory over the new members) and loads as neither."""
         if size == 0:
             return ("empty: the saver wrote nothing over a checkpoint (opened with O_TRUNC, closed "
                     "before its first byte)") if self._replaces_checkpoint else None
-        if index is not None:
-            return None
         await self._file.fd()
         read_at, limiter = self._reader()
         return await self._file.run(incomplete_reason, read_at, size, limiter=limiter)
@@ -880,7 +879,7 @@ class WriteSession:
         if closing and self._refused is not None and self._refused[0] == mod:
             raise self._refused[1]                  # already recorded as a failed version
         index, points = await self._layout(size)
-        reason = await self._incomplete(size, index)
+        reason = await self._incomplete(size)
         spans = cut(size, self._cs, points)
         entries = await self._vouched(spans, await self._store_all(spans))
         manifest = Manifest(path=self.path, size=size, mtime_ns=self._mtime_ns, mode=self.mode,

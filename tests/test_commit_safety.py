@@ -502,6 +502,46 @@ def log(cfg: Path, path: str) -> list[dict]:
     return json.loads(cpfs("log", path, "--json", config=cfg).stdout)
 
 
+def test_a_save_over_a_zip_in_place_cut_short_is_incomplete() -> None:
+    """torch.save into the old file opened "r+b" (no truncate), stopped partway: the old central
+    directory still ends the file, over members the new save rewrote. It passed as complete (the ML
+    workflows audit's find: committed ok, then torch.load failed). A cut before the first member
+    that differs leaves the old file as it was: complete."""
+    old = torch_bytes(model(layers=2, width=64, seed=1))
+    new = torch_bytes(model(layers=2, width=64, seed=2))
+    assert len(new) == len(old)
+    first_change = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+    index = build_index(reader(new), len(new))
+    assert index is not None
+    cuts = [r.offset + r.length // 2 for r in index.records if r.offset > first_change]
+    cuts += [index.records[-1].offset + index.records[-1].length, index.directory_offset - 1]
+    for cut in cuts:
+        mixed = new[:cut] + old[cut:]
+        reason = incomplete_reason(reader(mixed), len(mixed))
+        assert reason is not None and "is not the one its directory describes" in reason, cut
+    for whole in (old, new, new[:first_change] + old[first_change:]):
+        assert incomplete_reason(reader(whole), len(whole)) is None
+
+
+@pytest.mark.mount
+def test_a_save_in_place_over_a_checkpoint_cut_short_leaves_the_previous_version(make_config, tmp_path, mount) -> None:
+    """Through a mount: half a torch.save written over the checkpoint opened "r+b", then closed. The
+    close fails (EIO) and the previous version stays current; it committed the mixed file as ok."""
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    v1 = model(layers=3, width=128, seed=1)
+    torch.save(v1, m.path / "ckpt.pt")
+    new = torch_bytes(model(layers=3, width=128, seed=2))
+    f = open(m.path / "ckpt.pt", "r+b")
+    f.write(new[:len(new) // 2])
+    with pytest.raises(OSError) as e:
+        f.close()
+    assert e.value.errno == errno.EIO
+    rows = log(cfg, "/ckpt.pt")
+    assert [(r["state"], r["current"]) for r in rows] == [("failed", False), ("ok", True)]
+    assert_same(torch.load(m.path / "ckpt.pt", weights_only=True), v1)
+
+
 @pytest.mark.mount
 @pytest.mark.parametrize("kind", ["torch", "safetensors", "dcp"])
 def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_path, mount, kind) -> None:
