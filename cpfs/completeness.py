@@ -14,30 +14,43 @@ The formats say where they end, so the check reads only headers and the tail, ne
   directory at the end, over members it no longer describes (the ML workflows audit's find);
 - safetensors (an 8-byte little-endian header length N, then a JSON object of N bytes) is complete
   once the header is whole and the file reaches the largest `data_offsets` end the header names.
+- torch.save's legacy format (`_use_new_zipfile_serialization=False`: five pickles, the magic number
+  first, then each storage as an 8-byte element count and its bytes) is complete once the five
+  pickles are whole and the file reaches the end of the storages the object's persistent ids size. A
+  legacy save killed midway committed ok, and a few of them retired the last good version from
+  `keep_versions` (the ML workflows audit's find). An object pickle the indexer's machine cannot read
+  leaves the file unjudged.
 Anything else (or bytes that only look like those formats at the first byte) is not judged: None.
 """
 from __future__ import annotations
 
+import io
 import json
+import pickletools
 import struct
 from collections.abc import Callable
 
-from .tensor_index import MAX_SAFETENSORS_HEADER, _Malformed, _zip_directory, central_entries
+from .tensor_index import MAX_PICKLE, MAX_SAFETENSORS_HEADER, _Malformed, _zip_directory, central_entries, storage_sizes
 
 ReadAt = Callable[[int, int], bytes]
 
 _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_CENTRAL = b"PK\x01\x02"
 _ZIP_DESCRIPTOR = b"PK\x07\x08"
+_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."   # pickle of torch's 0x1950a86a20f9469cfc6c
+_LEGACY_SLACK = 1 << 20             # beyond the object pickle: the other four pickles
+_STRINGS = {"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BINSTRING", "SHORT_BINSTRING"}
 
 
 def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
     """Why these `size` bytes are an incomplete torch zip or safetensors file; None if they are
     complete, or not one of those formats. Blocking (reads through `read_at`): run it in a thread."""
-    head = read_at(0, min(size, 9))
+    head = read_at(0, min(size, len(_LEGACY_MAGIC)))
     if head[:4] == _ZIP_LOCAL:
         return _zip_reason(read_at, size)
-    if len(head) == 9 and head[8:9] == b"{":
+    if head == _LEGACY_MAGIC:
+        return _legacy_reason(read_at, size)
+    if len(head) >= 9 and head[8:9] == b"{":
         return _safetensors_reason(read_at, size, struct.unpack_from("<Q", head)[0])
     return None
 
@@ -76,6 +89,30 @@ def _members_reason(read_at: ReadAt, size: int, cd_offset: int, cd_size: int, co
                         f"describes (another CRC): a save over the file in place that stopped before the end")
     except (_Malformed, struct.error) as e:
         return f"zip of {size} bytes: {e} at offset {cd_offset}"
+    return None
+
+
+def _legacy_reason(read_at: ReadAt, size: int) -> str | None:
+    """See the module doc: the five pickles, then sum(8 + numel x itemsize) bytes of storages."""
+    head = read_at(0, min(size, MAX_PICKLE + _LEGACY_SLACK))
+    f = io.BytesIO(head)
+    spans = []
+    try:
+        for _ in range(5):
+            start = f.tell()
+            keys = [arg for op, arg, _ in pickletools.genops(f) if op.name in _STRINGS]
+            spans.append((start, f.tell()))
+    except ValueError:                  # a pickle ran out before its STOP
+        if len(head) < size:
+            return None                 # longer than we read: not judged
+        return f"legacy torch file of {size} bytes: cut inside its pickles (at pickle {len(spans) + 1} of 5)"
+    start, end = spans[3]
+    nbytes = storage_sizes(head[start:end])
+    if set(nbytes) != set(keys):        # keys: the fifth pickle's, the storages written after it
+        return None                     # an object pickle the machine cannot read: not judged
+    want = spans[4][1] + sum(8 + n for n in nbytes.values())
+    if size < want:
+        return f"legacy torch file of {size} bytes: its {len(keys)} storages end at byte {want}"
     return None
 
 

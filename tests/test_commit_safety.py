@@ -465,6 +465,8 @@ class Stalling:
 f = Stalling()
 if kind == "torch":
     torch.save(expected_of_save(nbytes, seed, per=4 << 20), f)
+elif kind == "legacy":                  # torch.save's format before zip files (still an option)
+    torch.save(expected_of_save(nbytes, seed, per=4 << 20), f, _use_new_zipfile_serialization=False)
 elif kind == "dcp":                     # a .distcp data file: one torch.save per item, back to back
     for t in expected_of_save(nbytes, seed, per=4 << 20).values():
         torch.save(t, f)
@@ -542,18 +544,34 @@ def test_a_save_in_place_over_a_checkpoint_cut_short_leaves_the_previous_version
     assert_same(torch.load(m.path / "ckpt.pt", weights_only=True), v1)
 
 
+def test_every_prefix_of_a_legacy_torch_file_is_incomplete_and_the_whole_file_is_not() -> None:
+    """torch.save(..., _use_new_zipfile_serialization=False): five pickles, then the storages. A cut
+    anywhere after the first pickle's 15 bytes is incomplete (it committed ok: the ML workflows audit)."""
+    buf = io.BytesIO()
+    torch.save(model(layers=2, width=64), buf, _use_new_zipfile_serialization=False)
+    blob = buf.getvalue()
+    cuts = set(range(15, 2000)) | set(range(len(blob) - 2000, len(blob)))
+    cuts |= set(random.Random(2).sample(range(15, len(blob)), 300))
+    assert [n for n in sorted(cuts) if incomplete_reason(reader(blob[:n]), n) is None] == []
+    assert incomplete_reason(reader(blob), len(blob)) is None
+    assert "storages end at byte" in incomplete_reason(reader(blob[:-1]), len(blob) - 1)
+
+
 @pytest.mark.mount
-@pytest.mark.parametrize("kind", ["torch", "safetensors", "dcp"])
+@pytest.mark.parametrize("kind", ["torch", "legacy", "safetensors", "dcp"])
 def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_path, mount, kind) -> None:
     """`dcp`: a torch.distributed.checkpoint data file (a torch.save per item, back to back), killed
-    inside an item."""
+    inside an item. `legacy`: torch.save's format before zip files."""
     cfg = config(make_config, tmp_path)
     m = mount(cfg)
-    name = {"torch": "ckpt.pt", "safetensors": "model.safetensors", "dcp": "__0_0.distcp"}[kind]
+    name = {"torch": "ckpt.pt", "legacy": "ckpt.pt", "safetensors": "model.safetensors",
+            "dcp": "__0_0.distcp"}[kind]
     v1 = expected_of_save(16 * MiB, seed=1, per=4 * MiB)
     items = b"".join(torch_bytes(t) for t in v1.values())
     if kind == "torch":
         torch.save(v1, m.path / name)
+    elif kind == "legacy":
+        torch.save(v1, m.path / name, _use_new_zipfile_serialization=False)
     elif kind == "dcp":
         (m.path / name).write_bytes(items)
     else:
@@ -571,7 +589,8 @@ def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_pa
         assert (m.path / name).read_bytes() == items
         assert (mount(cfg, "fresh").path / name).read_bytes() == items
     else:
-        load = (lambda p: torch.load(p, weights_only=True)) if kind == "torch" else safetensors.torch.load_file
+        load = ((lambda p: torch.load(p, weights_only=True)) if kind in ("torch", "legacy")
+                else safetensors.torch.load_file)
         assert_same(load(m.path / name), v1)
         assert_same(load(mount(cfg, "fresh").path / name), v1)
     assert "not committed, the file is incomplete" in m.log.read_text()
