@@ -217,7 +217,38 @@ async def open_s3_store(tmp_path: Path, name: str) -> AsyncIterator[S3Store]:
         await store.aclose()
 
 
-class ErrorEndpoint:
+class _Loopback:
+    """A threaded HTTP server on 127.0.0.1 for one handler class (`_serve`); `endpoint` is its URL.
+    Used as a context manager; at its end `_unblock()` frees the handlers that wait, then it stops."""
+
+    def _serve(self, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _unblock(self) -> None:
+        pass
+
+    def __enter__(self) -> Any:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._unblock()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class ErrorEndpoint(_Loopback):
     """An HTTP server on 127.0.0.1 that answers every request the same wrong way, as a misbehaving S3
     server would: an S3 error (`status`, `code`), a connection reset (`reset=True`), or no answer at all
     (`hang=True`, until stopped). `requests` counts what reached it (the store must not retry)."""
@@ -228,9 +259,7 @@ class ErrorEndpoint:
         self._stop = threading.Event()
         endpoint = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(_Handler):
             def _answer(self) -> None:
                 endpoint.requests += 1
                 length = int(self.headers.get("Content-Length") or 0)
@@ -254,26 +283,13 @@ class ErrorEndpoint:
 
             do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _answer
 
-            def log_message(self, *args: Any) -> None:
-                pass
+        self._serve(Handler)
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> ErrorEndpoint:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
+    def _unblock(self) -> None:
         self._stop.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
 
 
-class DelayingProxy:
+class DelayingProxy(_Loopback):
     """A forwarding HTTP proxy on 127.0.0.1 in front of an S3 server that holds back the DELETEs of
     keys containing `hold` until `release()`, and then forwards them, however long their client has
     given up: a gateway slow to carry out a request (an overloaded Ceph RGW). `held` is set once one
@@ -287,9 +303,7 @@ class DelayingProxy:
         target = upstream.removeprefix("http://")
         proxy = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(_Handler):
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
@@ -324,26 +338,12 @@ class DelayingProxy:
 
             do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._serve(Handler)
 
     def release(self) -> None:
         self._release.set()
 
-    def __enter__(self) -> DelayingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._release.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+    _unblock = release
 
 
 def closed_port() -> int:

@@ -163,15 +163,21 @@ class Store(abc.ABC):
         """Delete the object if its mtime is before `before` (seconds since the epoch); True if this call
         deleted it, False if it is absent or younger. Here a stat, then a delete: a touch that lands
         between the two is lost with the object. Kinds that can do better override it (the folder store
-        claims the object by a rename and checks its age after that)."""
-        try:
-            info = await self.stat(key)
-        except NoSuchObject:
-            return False
-        if info.mtime >= before:
+        claims the object by a rename and checks its age after that; S3 deletes only while the ETag
+        is the one judged old)."""
+        if await self.older(key, before) is None:
             return False
         await self.delete(key)
         return True
+
+    async def older(self, key: str, before: float) -> ObjectInfo | None:
+        """The object's info if its mtime is before `before`; None if it is absent or younger: the
+        judgement of `delete_if_older`."""
+        try:
+            info = await self.stat(key)
+        except NoSuchObject:
+            return None
+        return info if info.mtime < before else None
 
     @abc.abstractmethod
     async def list(self, prefix: str, start_after: str = "", limit: int = 1000) -> list[str]:

@@ -347,11 +347,7 @@ class S3Store(Store):
         (an overloaded gateway; the pool gave up on it after its timeout) deleted a copy that a save had
         touched and committed meanwhile: the save, said done, lost a chunk (an audit's find). A server
         that refuses conditional deletes (501) gets an unconditional one, logged once."""
-        try:
-            info = await self.stat(key)
-        except NoSuchObject:
-            return False
-        if info.mtime >= before:
+        if (info := await self.older(key, before)) is None:
             return False
         full = self._key(key)
 
