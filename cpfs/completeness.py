@@ -38,19 +38,18 @@ _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_CENTRAL = b"PK\x01\x02"
 _ZIP_DESCRIPTOR = b"PK\x07\x08"
 _LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."   # pickle of torch's 0x1950a86a20f9469cfc6c
-_LEGACY_SLACK = 1 << 20             # beyond the object pickle: the other four pickles
 _STRINGS = {"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BINSTRING", "SHORT_BINSTRING"}
 
 
 def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
     """Why these `size` bytes are an incomplete torch zip or safetensors file; None if they are
     complete, or not one of those formats. Blocking (reads through `read_at`): run it in a thread."""
-    head = read_at(0, min(size, len(_LEGACY_MAGIC)))
+    head = read_at(0, min(size, 9))     # no more: write-behind may drop what the checks do not read
     if head[:4] == _ZIP_LOCAL:
         return _zip_reason(read_at, size)
-    if head == _LEGACY_MAGIC:
+    if head[:4] == _LEGACY_MAGIC[:4] and read_at(0, min(size, len(_LEGACY_MAGIC))) == _LEGACY_MAGIC:
         return _legacy_reason(read_at, size)
-    if len(head) >= 9 and head[8:9] == b"{":
+    if len(head) == 9 and head[8:9] == b"{":
         return _safetensors_reason(read_at, size, struct.unpack_from("<Q", head)[0])
     return None
 
@@ -93,19 +92,25 @@ def _members_reason(read_at: ReadAt, size: int, cd_offset: int, cd_size: int, co
 
 
 def _legacy_reason(read_at: ReadAt, size: int) -> str | None:
-    """See the module doc: the five pickles, then sum(8 + numel x itemsize) bytes of storages."""
-    head = read_at(0, min(size, MAX_PICKLE + _LEGACY_SLACK))
-    f = io.BytesIO(head)
-    spans = []
-    try:
-        for _ in range(5):
-            start = f.tell()
-            keys = [arg for op, arg, _ in pickletools.genops(f) if op.name in _STRINGS]
-            spans.append((start, f.tell()))
-    except ValueError:                  # a pickle ran out before its STOP
-        if len(head) < size:
-            return None                 # longer than we read: not judged
-        return f"legacy torch file of {size} bytes: cut inside its pickles (at pickle {len(spans) + 1} of 5)"
+    """See the module doc: the five pickles, then sum(8 + numel x itemsize) bytes of storages. The
+    pickles are read from a 64 KiB head that grows 4x until they fit (or MAX_PICKLE is passed)."""
+    want = 1 << 16
+    while True:
+        head = read_at(0, min(size, want))
+        f = io.BytesIO(head)
+        spans: list[tuple[int, int]] = []
+        try:
+            for _ in range(5):
+                start = f.tell()
+                keys = [arg for op, arg, _ in pickletools.genops(f) if op.name in _STRINGS]
+                spans.append((start, f.tell()))
+            break
+        except ValueError:              # a pickle ran out before its STOP
+            if len(head) >= size:
+                return f"legacy torch file of {size} bytes: cut inside its pickles (at pickle {len(spans) + 1} of 5)"
+            if want > MAX_PICKLE:
+                return None             # longer than we read: not judged
+            want *= 4
     start, end = spans[3]
     nbytes = storage_sizes(head[start:end])
     if set(nbytes) != set(keys):        # keys: the fifth pickle's, the storages written after it
