@@ -1135,7 +1135,7 @@ async def test_a_hold_whose_digests_rotted_makes_gc_refuse(tmp_path: Path) -> No
     digest = m.chunks[0].digest
     for i in range(3):
         where = _stores_root(tmp_path) / f"s{i}" / "holds"
-        where.mkdir(exist_ok=True)
+        where.mkdir(parents=True, exist_ok=True)      # a store the put did not place on has no folder yet
         (where / "ffff.1.json").write_bytes(hold if i else hold.replace(digest.encode(), digest[:-1].encode() + b"x"))
     report = await _gc(cfg)
     assert "does not match its check" in report.refused and report.stores == ()
