@@ -20,12 +20,19 @@ The formats say where they end, so the check reads only headers and the tail, ne
   legacy save killed midway committed ok, and a few of them retired the last good version from
   `keep_versions` (the ML workflows audit's find). An object pickle the indexer's machine cannot read
   leaves the file unjudged.
+- numpy's .npy (`numpy.save`, `open_memmap`: b"\\x93NUMPY", a version, a header length, then a dict
+  literal with the dtype and shape) is complete once the header is whole and the file reaches the end
+  of the shape's elements. A killed np.save committed ok before (noticed by the ML workflows audit); an
+  object array (pickled after the header) or a dtype this module does not size is not judged.
 Anything else (or bytes that only look like those formats at the first byte) is not judged: None.
 """
 from __future__ import annotations
 
+import ast
 import io
 import json
+import math
+import re
 import pickletools
 import struct
 from collections.abc import Callable
@@ -38,15 +45,20 @@ _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_CENTRAL = b"PK\x01\x02"
 _ZIP_DESCRIPTOR = b"PK\x07\x08"
 _LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."   # pickle of torch's 0x1950a86a20f9469cfc6c
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_HEADER_MAX = 1 << 20                # numpy's own reader stops at 10 KB unless told otherwise
+_NPY_SCALAR = re.compile(r"[<>|=]?([biufcmMSUV])(\d*)(\[\w+\])?")
 _STRINGS = {"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BINSTRING", "SHORT_BINSTRING"}
 
 
 def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
-    """Why these `size` bytes are an incomplete torch zip or safetensors file; None if they are
-    complete, or not one of those formats. Blocking (reads through `read_at`): run it in a thread."""
+    """Why these `size` bytes are an incomplete checkpoint (see the module doc for the formats); None
+    if they are complete, or not one of those formats. Blocking (reads through `read_at`): run it in a thread."""
     head = read_at(0, min(size, 9))     # no more: write-behind may drop what the checks do not read
     if head[:4] == _ZIP_LOCAL:
         return _zip_reason(read_at, size)
+    if head[:6] == _NPY_MAGIC:
+        return _npy_reason(read_at, size)
     if head[:4] == _LEGACY_MAGIC[:4] and read_at(0, min(size, len(_LEGACY_MAGIC))) == _LEGACY_MAGIC:
         return _legacy_reason(read_at, size)
     if len(head) == 9 and head[8:9] == b"{":
@@ -139,4 +151,60 @@ def _safetensors_reason(read_at: ReadAt, size: int, n: int) -> str | None:
             end = max(end, offsets[1])
     if 8 + n + end > size:
         return f"safetensors of {size} bytes: its tensors end at byte {8 + n + end}"
+    return None
+
+
+def _npy_reason(read_at: ReadAt, size: int) -> str | None:
+    """numpy.lib.format: 6 magic bytes, major and minor version, the header's length (2 bytes in
+    version 1, 4 after), the header, then the elements: itemsize x prod(shape) bytes."""
+    head = read_at(0, min(size, 12))
+    if len(head) < 8 or head[6] not in (1, 2, 3):
+        return None if len(head) >= 8 else f"npy file of {size} bytes: cut inside its preamble"
+    width = 2 if head[6] == 1 else 4
+    if len(head) < 8 + width:
+        return f"npy file of {size} bytes: cut inside its preamble"
+    n = int.from_bytes(head[8:8 + width], "little")
+    start = 8 + width + n
+    if n > _NPY_HEADER_MAX:
+        return None
+    if start > size:
+        return f"npy file of {size} bytes: its header is {n} bytes long but only {size - 8 - width} follow"
+    try:
+        header = ast.literal_eval(read_at(8 + width, n).decode("utf8" if head[6] == 3 else "latin1"))
+        shape, itemsize = header["shape"], _npy_itemsize(header["descr"])
+    except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError, UnicodeDecodeError):
+        return None             # not a header numpy wrote: not judged
+    if itemsize is None or not isinstance(shape, tuple) or not all(type(x) is int and x >= 0 for x in shape):
+        return None
+    want = start + itemsize * math.prod(shape)
+    if size < want:
+        return f"npy file of {size} bytes: its {math.prod(shape)} elements end at byte {want}"
+    return None
+
+
+def _npy_itemsize(descr: object) -> int | None:
+    """Bytes per element of a numpy dtype description (numpy.lib.format's `descr`): a type string such
+    as '<f4', '|S10' or '<M8[ns]', or a structured list of (name, descr[, shape]) fields. None for what
+    has no fixed size here (objects: '|O', pickled) and anything unknown."""
+    if isinstance(descr, str):
+        m = _NPY_SCALAR.fullmatch(descr)
+        if m is None:
+            return None
+        kind, n = m.group(1), int(m.group(2) or 0)
+        if kind in "mM" and not m.group(3) or kind not in "mM" and m.group(3):
+            return None
+        return n * 4 if kind == "U" else n
+    if isinstance(descr, list):
+        total = 0
+        for field in descr:
+            if not isinstance(field, tuple) or len(field) not in (2, 3):
+                return None
+            size = _npy_itemsize(field[1])
+            shape = field[2] if len(field) == 3 else ()
+            if isinstance(shape, int):
+                shape = (shape,)
+            if size is None or not isinstance(shape, tuple) or not all(type(x) is int and x >= 0 for x in shape):
+                return None
+            total += size * math.prod(shape)
+        return total
     return None

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -108,6 +109,60 @@ def test_every_prefix_of_a_safetensors_file_is_incomplete_and_the_whole_file_is_
     assert [n for n, why in reasons.items() if why is None] == []
     assert "header" in reasons[header - 1] and "tensors end at" in reasons[header + 1]
     assert incomplete_reason(reader(blob), len(blob)) is None
+
+
+def npy_bytes(arr: np.ndarray, version: tuple[int, int] | None = None) -> bytes:
+    buf = io.BytesIO()
+    if version is None:
+        np.save(buf, arr, allow_pickle=False)
+    else:
+        np.lib.format.write_array(buf, arr, version=version, allow_pickle=False)
+    return buf.getvalue()
+
+
+NPY_SAMPLES = {
+    "float32 2-D": np.arange(3000, dtype=np.float32).reshape(50, 60),
+    "fortran order": np.asfortranarray(np.arange(600, dtype=">i8").reshape(20, 30)),
+    "bool": np.arange(999) % 3 == 0,
+    "complex": np.arange(100, dtype=np.complex128) * 1j,
+    "unicode": np.array(["adam", "sgd", "lion"] * 50),
+    "bytes": np.array([b"m", b"v", b"step"] * 50),
+    "datetime": np.arange(200).astype("datetime64[ms]"),
+    "structured": np.zeros(300, dtype=[("step", "<i8"), ("lr", "<f4"), ("m", "<f2", (3, 2))]),
+    "aligned structure": np.zeros(100, dtype=np.dtype([("a", "u1"), ("b", "<f8")], align=True)),
+    "void": np.zeros(64, dtype="V12"),
+    "zero elements": np.zeros((0, 5), dtype=np.float16),
+    "scalar": np.array(2.5),
+}
+
+
+@pytest.mark.parametrize("name", NPY_SAMPLES)
+def test_every_prefix_of_a_npy_file_is_incomplete_and_the_whole_file_is_not(name: str) -> None:
+    """numpy.save killed mid-write committed ok (the ML workflows audit noticed it): the header names the
+    dtype and shape, so the file's end is known, as a safetensors file's is."""
+    arr = NPY_SAMPLES[name]
+    for version in (None, (2, 0), (3, 0)):
+        blob = npy_bytes(arr, version)
+        assert incomplete_reason(reader(blob), len(blob)) is None
+        cuts = set(range(6, min(len(blob), 300))) | set(range(max(6, len(blob) - 64), len(blob)))
+        assert [n for n in sorted(cuts) if incomplete_reason(reader(blob[:n]), n) is None] == [], version
+        with_more = blob + b"\0" * 10               # an r+b save of a smaller array over a larger one
+        assert incomplete_reason(reader(with_more), len(with_more)) is None
+    if arr.size:
+        blob = npy_bytes(arr)
+        assert "elements end at byte" in incomplete_reason(reader(blob[:-1]), len(blob) - 1)
+
+
+def test_npy_files_numpy_cannot_size_here_are_not_judged() -> None:
+    """An object array is pickled after its header: its length is not the header's to say."""
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"step": 1}, None], dtype=object), allow_pickle=True)
+    blob = buf.getvalue()
+    assert incomplete_reason(reader(blob[:-1]), len(blob) - 1) is None
+    odd = b"\x93NUMPY\x01\x00" + (20).to_bytes(2, "little") + b"{'shape': (1,)} \n"[:20].ljust(20)
+    assert incomplete_reason(reader(odd), len(odd)) is None               # no descr: not numpy's header
+    wrong_version = b"\x93NUMPY\x09\x00" + b"\0" * 100
+    assert incomplete_reason(reader(wrong_version), len(wrong_version)) is None
 
 
 def test_other_files_are_not_judged() -> None:
@@ -467,6 +522,8 @@ if kind == "torch":
     torch.save(expected_of_save(nbytes, seed, per=4 << 20), f)
 elif kind == "legacy":                  # torch.save's format before zip files (still an option)
     torch.save(expected_of_save(nbytes, seed, per=4 << 20), f, _use_new_zipfile_serialization=False)
+elif kind == "npy":                     # numpy.save of one large array (optimizer states)
+    np.save(f, np.random.default_rng(seed).standard_normal(nbytes // 8))
 elif kind == "dcp":                     # a .distcp data file: one torch.save per item, back to back
     for t in expected_of_save(nbytes, seed, per=4 << 20).values():
         torch.save(t, f)
@@ -558,17 +615,20 @@ def test_every_prefix_of_a_legacy_torch_file_is_incomplete_and_the_whole_file_is
 
 
 @pytest.mark.mount
-@pytest.mark.parametrize("kind", ["torch", "legacy", "safetensors", "dcp"])
+@pytest.mark.parametrize("kind", ["torch", "legacy", "safetensors", "dcp", "npy"])
 def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_path, mount, kind) -> None:
     """`dcp`: a torch.distributed.checkpoint data file (a torch.save per item, back to back), killed
-    inside an item. `legacy`: torch.save's format before zip files."""
+    inside an item. `legacy`: torch.save's format before zip files. `npy`: numpy.save."""
     cfg = config(make_config, tmp_path)
     m = mount(cfg)
     name = {"torch": "ckpt.pt", "legacy": "ckpt.pt", "safetensors": "model.safetensors",
-            "dcp": "__0_0.distcp"}[kind]
+            "dcp": "__0_0.distcp", "npy": "adam_m.npy"}[kind]
     v1 = expected_of_save(16 * MiB, seed=1, per=4 * MiB)
     items = b"".join(torch_bytes(t) for t in v1.values())
-    if kind == "torch":
+    first_npy = np.random.default_rng(1).standard_normal(2 * MiB)
+    if kind == "npy":
+        np.save(m.path / name, first_npy)
+    elif kind == "torch":
         torch.save(v1, m.path / name)
     elif kind == "legacy":
         torch.save(v1, m.path / name, _use_new_zipfile_serialization=False)
@@ -588,6 +648,9 @@ def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_pa
     if kind == "dcp":
         assert (m.path / name).read_bytes() == items
         assert (mount(cfg, "fresh").path / name).read_bytes() == items
+    elif kind == "npy":
+        assert np.array_equal(np.load(m.path / name), first_npy)
+        assert np.array_equal(np.load(mount(cfg, "fresh").path / name), first_npy)
     else:
         load = ((lambda p: torch.load(p, weights_only=True)) if kind in ("torch", "legacy")
                 else safetensors.torch.load_file)
