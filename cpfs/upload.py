@@ -29,6 +29,8 @@ reused by a later commit of the uploader counts as due at once (the version may 
 """
 from __future__ import annotations
 
+import errno
+import functools
 import logging
 import math
 import os
@@ -64,7 +66,11 @@ ENCODE_POOL = BufferPool(128 * 1024**2)
 
 def encode_span(fd: int, offset: int, length: int, compression: str, name: str) -> chunkfmt.EncodedChunk:
     """Bytes [offset, offset+length) of the open file `name`, encoded as a chunk. Blocking: run it in
-    a thread."""
+    a thread. A span the file holds no data in (a hole: `truncate -s 100G`, a sparse write) is the
+    zero chunk of its length, encoded once per process: hashing and compressing the zeros of a hole
+    cost ~2 s per GiB of a file's apparent size at its close (an 896 GiB ftruncate: 28 min)."""
+    if _hole(fd, offset, length):
+        return zero_chunk(length, compression)
     framed = memoryview(ENCODE_POOL.take(chunkfmt.HEADER_SIZE + length))[:chunkfmt.HEADER_SIZE + length]
     view = framed[chunkfmt.HEADER_SIZE:]               # read where the stored chunk has its bytes
     while view:
@@ -73,6 +79,21 @@ def encode_span(fd: int, offset: int, length: int, compression: str, name: str) 
             raise CpfsError(f"{name}: short read at offset {offset}: the file shrank meanwhile")
         view, offset = view[n:], offset + n
     return chunkfmt.encode_framed(framed, compression)
+
+
+def _hole(fd: int, offset: int, length: int) -> bool:
+    """Whether the file holds no data in [offset, offset+length): its next data (SEEK_DATA) starts
+    after it. A filesystem that does not track holes answers `offset` (data): no."""
+    try:
+        return os.lseek(fd, offset, os.SEEK_DATA) >= offset + length
+    except OSError as e:
+        return e.errno == errno.ENXIO          # no data from `offset` to the end of the file
+
+
+@functools.lru_cache(maxsize=4)
+def zero_chunk(length: int, compression: str) -> chunkfmt.EncodedChunk:
+    """The encoded chunk of `length` zero bytes (its blob is shared: nobody writes a stored blob)."""
+    return chunkfmt.encode(bytes(length), compression)
 
 
 @dataclass(frozen=True, kw_only=True)

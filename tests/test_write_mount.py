@@ -706,6 +706,33 @@ def test_store_permission_errors_give_eacces_at_close_and_lose_nothing(make_conf
     assert "flush failed" in log and ("'s0'" in log or "'s1'" in log)
 
 
+def test_a_sparse_file_of_16_gib_closes_and_reads_back(make_config, tmp_path, mount):
+    """`truncate -s` far past the data (a preallocating downloader, np.lib.format.open_memmap before its
+    writes): the close stores the holes as the zero chunk instead of hashing 16 GiB of zeros (~30 s,
+    uninterruptible, before), and every mount reads the data where it was written, zeros elsewhere."""
+    cfg = config(make_config, tmp_path)
+    a = mount(cfg, "a")
+    pieces = {0: b"head" * 1000, 5 * 2**30 + 7: rand_bytes(3 * MiB, 1), 16 * 2**30 - 10: b"0123456789"}
+    fd = os.open(a.path / "sparse.bin", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.ftruncate(fd, 16 * 2**30)
+        for offset, data in pieces.items():
+            os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+    for m in (a, mount(cfg, "b")):
+        assert (m.path / "sparse.bin").stat().st_size == 16 * 2**30
+        with open(m.path / "sparse.bin", "rb") as f:
+            for offset, data in pieces.items():
+                f.seek(offset - 100 if offset else 0)
+                got = f.read(len(data) + 200)
+                want = (bytes(100) if offset else b"") + data + bytes(200)
+                assert got == want[:len(got)] and len(got) >= len(data), offset
+            f.seek(9 * 2**30)
+            assert f.read(8 * MiB) == bytes(8 * MiB)
+    assert dangling_chunks(cfg) == []
+
+
 def test_chmod_utime_truncate_reach_other_mounts(make_config, tmp_path, mount):
     cfg = config(make_config, tmp_path)
     a = mount(cfg, "a")
