@@ -11,6 +11,7 @@ import errno
 import io
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -163,6 +164,57 @@ def test_npy_files_numpy_cannot_size_here_are_not_judged() -> None:
     assert incomplete_reason(reader(odd), len(odd)) is None               # no descr: not numpy's header
     wrong_version = b"\x93NUMPY\x09\x00" + b"\0" * 100
     assert incomplete_reason(reader(wrong_version), len(wrong_version)) is None
+
+
+class Writes(io.RawIOBase):
+    """A file object that remembers where each write of its writer ended: where a kill leaves the file."""
+
+    def __init__(self) -> None:
+        self.data, self.ends = bytearray(), []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.data += memoryview(b).cast("B")
+        self.ends.append(len(self.data))
+        return len(self.data) - (self.ends[-2] if len(self.ends) > 1 else 0)
+
+
+PICKLED = {
+    "optimizer state": {f"layer{i}": {"m": np.arange(2000, dtype=np.float32) * i, "step": i} for i in range(40)},
+    "many small objects": [{"id": i, "token": f"tok{i}", "score": i * 0.5} for i in range(20_000)],
+    "one large array": {"w": np.random.default_rng(0).standard_normal(300_000), "note": "x"},
+}
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_a_pickle_cut_where_its_writer_stopped_is_incomplete(protocol: int) -> None:
+    """pickle.dump (a JAX optimizer state, dcp's .metadata) killed mid-write committed ok. A whole pickle
+    ends with STOP: every cut between two of its writer's writes is refused, and all but a few random cuts
+    (whose last byte is b"." by chance)."""
+    for name, obj in PICKLED.items():
+        w = Writes()
+        pickle.dump(obj, w, protocol=protocol)
+        blob = bytes(w.data)
+        assert incomplete_reason(reader(blob), len(blob)) is None
+        assert len(w.ends) > 2, name
+        assert [n for n in w.ends[:-1] if incomplete_reason(reader(blob[:n]), n) is None] == [], name
+        cuts = random.Random(protocol).sample(range(1, len(blob)), 2000)
+        passed = [n for n in cuts if incomplete_reason(reader(blob[:n]), n) is None]
+        assert all(blob[n - 1:n] == b"." for n in passed) and len(passed) < 20, (name, len(passed))
+    two = pickle.dumps(PICKLED["optimizer state"]) + pickle.dumps([1, 2, 3])     # records back to back
+    assert incomplete_reason(reader(two), len(two)) is None
+
+
+def test_pickles_without_frames_are_not_judged() -> None:
+    """Protocols 2 and 3 have no frame header to recognise them by (torch's legacy format is judged on
+    its own); nor is a file whose first "frame" is longer than any pickle writes."""
+    for protocol in (2, 3):
+        blob = pickle.dumps(PICKLED["many small objects"], protocol=protocol)
+        assert incomplete_reason(reader(blob[:-100]), len(blob) - 100) is None
+    odd = b"\x80\x04\x95" + (1 << 40).to_bytes(8, "little") + os.urandom(1000)
+    assert incomplete_reason(reader(odd), len(odd)) is None
 
 
 def test_other_files_are_not_judged() -> None:
@@ -484,7 +536,7 @@ async def test_a_plain_file_cut_short_still_commits(env: Env) -> None:
 # real mounts
 
 STALL = """
-import os, sys, time
+import os, pickle, sys, time
 import numpy as np
 import safetensors.torch
 import torch
@@ -522,6 +574,8 @@ if kind == "torch":
     torch.save(expected_of_save(nbytes, seed, per=4 << 20), f)
 elif kind == "legacy":                  # torch.save's format before zip files (still an option)
     torch.save(expected_of_save(nbytes, seed, per=4 << 20), f, _use_new_zipfile_serialization=False)
+elif kind == "pickle":                  # pickle.dump of numpy arrays (a JAX optimizer state)
+    pickle.dump({k: v.float().numpy() for k, v in expected_of_save(nbytes, seed, per=4 << 20).items()}, f)
 elif kind == "npy":                     # numpy.save of one large array (optimizer states)
     np.save(f, np.random.default_rng(seed).standard_normal(nbytes // 8))
 elif kind == "dcp":                     # a .distcp data file: one torch.save per item, back to back
@@ -615,19 +669,21 @@ def test_every_prefix_of_a_legacy_torch_file_is_incomplete_and_the_whole_file_is
 
 
 @pytest.mark.mount
-@pytest.mark.parametrize("kind", ["torch", "legacy", "safetensors", "dcp", "npy"])
+@pytest.mark.parametrize("kind", ["torch", "legacy", "safetensors", "dcp", "npy", "pickle"])
 def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_path, mount, kind) -> None:
     """`dcp`: a torch.distributed.checkpoint data file (a torch.save per item, back to back), killed
-    inside an item. `legacy`: torch.save's format before zip files. `npy`: numpy.save."""
+    inside an item. `legacy`: torch.save's format before zip files. `npy`: numpy.save. `pickle`: pickle.dump."""
     cfg = config(make_config, tmp_path)
     m = mount(cfg)
     name = {"torch": "ckpt.pt", "legacy": "ckpt.pt", "safetensors": "model.safetensors",
-            "dcp": "__0_0.distcp", "npy": "adam_m.npy"}[kind]
+            "dcp": "__0_0.distcp", "npy": "adam_m.npy", "pickle": "opt_state.pkl"}[kind]
     v1 = expected_of_save(16 * MiB, seed=1, per=4 * MiB)
     items = b"".join(torch_bytes(t) for t in v1.values())
     first_npy = np.random.default_rng(1).standard_normal(2 * MiB)
     if kind == "npy":
         np.save(m.path / name, first_npy)
+    elif kind == "pickle":
+        (m.path / name).write_bytes(pickle.dumps({k: v.float().numpy() for k, v in v1.items()}))
     elif kind == "torch":
         torch.save(v1, m.path / name)
     elif kind == "legacy":
@@ -648,6 +704,10 @@ def test_a_saver_killed_mid_save_leaves_the_previous_version(make_config, tmp_pa
     if kind == "dcp":
         assert (m.path / name).read_bytes() == items
         assert (mount(cfg, "fresh").path / name).read_bytes() == items
+    elif kind == "pickle":
+        for where in (m.path, mount(cfg, "fresh").path):
+            got = pickle.loads((where / name).read_bytes())
+            assert sorted(got) == sorted(v1) and all(np.array_equal(got[k], v1[k].float().numpy()) for k in v1)
     elif kind == "npy":
         assert np.array_equal(np.load(m.path / name), first_npy)
         assert np.array_equal(np.load(mount(cfg, "fresh").path / name), first_npy)
