@@ -64,14 +64,14 @@ def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
     head = read_at(0, min(size, 9))     # no more: write-behind may drop what the checks do not read
     if head[:4] == _ZIP_LOCAL:
         return _zip_reason(read_at, size)
-    if head[:3] in _PICKLE_FRAMED:
-        return _pickle_reason(read_at, size)
     if head[:6] == _NPY_MAGIC:
         return _npy_reason(read_at, size)
     if head[:4] == _LEGACY_MAGIC[:4] and read_at(0, min(size, len(_LEGACY_MAGIC))) == _LEGACY_MAGIC:
         return _legacy_reason(read_at, size)
     if len(head) == 9 and head[8:9] == b"{":
         return _safetensors_reason(read_at, size, struct.unpack_from("<Q", head)[0])
+    if head[:3] in _PICKLE_FRAMED:       # after safetensors: a pickle has no "{" at byte 8 (a length byte)
+        return _pickle_reason(read_at, size)
     return None
 
 
