@@ -485,9 +485,11 @@ class CpfsOperations(pyfuse3.Operations):
         text = _name(name)
         try:
             node = self.ns.lookup(parent_inode, text)
-            if node.summary is not None and node.summary.symlink:
+            if node.summary is not None and not node.is_dir:
                 # `latest -> step_N`, replaced by another mount: resolved as it is now (at most `refresh`
                 # old), not as this mount first listed it (an audit's find: until a listing, for good).
+                # A file too: its size and mtime, once the kernel's entry expired (`entry_timeout`), are
+                # the newest version's for a watcher polling stat (another audit's find: until an open).
                 node = self._gone_unless(await self._rechecked(node), node.path)
         except NotFound:
             await self._refresh()

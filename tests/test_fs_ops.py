@@ -995,8 +995,9 @@ async def test_a_save_whose_file_or_folder_another_mount_moved_fails_and_keeps_i
 
 
 async def test_a_file_another_mount_removed_opens_no_more(tmp_path: Path) -> None:
-    """Mount B looked f up; mount A removes it. B's next open answers ESTALE (the kernel looks the name
-    up again) and the lookup ENOENT, before any listing, as NFS does. The open went on reading the
+    """Mount B looked f up; mount A removes it. B's next open (a `refresh` after the lookup, which
+    checked too) answers ESTALE (the kernel looks the name up again) and the lookup ENOENT, before any
+    listing, as NFS does. The open went on reading the
     removed version until B listed the stores again (an audit's find)."""
     ctx = pyfuse3.RequestContext()
     async with operations(tmp_path, staging="sa", writer="aa") as (a, _), \
@@ -1005,6 +1006,7 @@ async def test_a_file_another_mount_removed_opens_no_more(tmp_path: Path) -> Non
         await _listed_again(b)
         ino = (await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
         await a.unlink(pyfuse3.ROOT_INODE, b"f", ctx)
+        await trio.sleep(b.config.refresh)      # the lookup checked f: the next check is a refresh later
         with pytest.raises(pyfuse3.FUSEError) as e:
             await b.open(ino, os.O_RDONLY, ctx)
         assert e.value.errno == errno.ESTALE
@@ -1035,6 +1037,25 @@ async def test_a_symlink_another_mount_replaced_resolves_to_its_new_target(tmp_p
         with pytest.raises(pyfuse3.FUSEError) as e:
             await b.lookup(pyfuse3.ROOT_INODE, b"latest", ctx)
         assert e.value.errno == errno.ENOENT
+
+
+async def test_a_file_another_mount_saved_again_looks_up_as_its_new_version(tmp_path: Path) -> None:
+    """Mount B's kernel asks for a name again once its entry expires (`entry_timeout`): B answers with
+    the version committed since, once `refresh` has passed, without a listing. It answered with the
+    version it first listed until an open or a listing, so a watcher polling stat for a new save (size,
+    mtime) on another node saw none (the failover-reload audit's find)."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="sa", writer="aa") as (a, _), \
+            operations(tmp_path, staging="sb", writer="bb") as (b, _):
+        await new_file(a, pyfuse3.ROOT_INODE, b"f", b"version one")
+        await _listed_again(b)
+        first = await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)
+        assert first.st_size == len(b"version one")
+        await a.release(await save(a, (await a.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino, b"version two, longer"))
+        await trio.sleep(b.config.refresh)
+        again = await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)
+        assert again.st_ino != first.st_ino and again.st_size == len(b"version two, longer")
+        assert (await b.getattr(first.st_ino, ctx)).st_size == len(b"version one")   # its handles' version
 
 
 @pytest.mark.parametrize("op", ["chmod", "touch", "truncate", "rename", "link", "setxattr"])

@@ -733,6 +733,21 @@ def test_a_sparse_file_of_16_gib_closes_and_reads_back(make_config, tmp_path, mo
     assert dangling_chunks(cfg) == []
 
 
+def test_stat_polled_in_another_mount_shows_a_new_save_once_its_entry_expires(make_config, tmp_path, mount):
+    """An evaluator on another node polls `os.stat(latest.pt)` for a new save. With `entry_timeout` as
+    short as `refresh`, mount B shows the new size within a few seconds; it kept the old one until an
+    open or a listing (the failover-reload audit: over 20 s, up to entry_timeout after that)."""
+    cfg = make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\nrefresh = "0.5s"\n'
+                            f'entry_timeout = "1s"\n')
+    a, b = mount(cfg, "a"), mount(cfg, "b")
+    (a.path / "latest.pt").write_bytes(b"x" * 1000)
+    assert wait_for(lambda: (b.path / "latest.pt").exists(), timeout=10)
+    assert (b.path / "latest.pt").stat().st_size == 1000
+    (a.path / "latest.pt").write_bytes(b"y" * 5000)
+    assert wait_for(lambda: (b.path / "latest.pt").stat().st_size == 5000, timeout=10)
+    assert (b.path / "latest.pt").read_bytes() == b"y" * 5000
+
+
 def test_chmod_utime_truncate_reach_other_mounts(make_config, tmp_path, mount):
     cfg = config(make_config, tmp_path)
     a = mount(cfg, "a")
