@@ -60,7 +60,7 @@ from typing import TypeVar
 
 import trio
 
-from .errors import (ChunkUnavailable, IsADirectory, ManifestError, NoSuchObject, NotADirectory, NotFound,
+from .errors import (ChunkUnavailable, IsADirectory, ManifestError, ManifestGone, NoSuchObject, NotADirectory, NotFound,
                      Stale, StoreError, StoreUnavailable)
 from .manifest import SUMMARY_MAX, ChunkEntry, Manifest, Summary, path_hash
 from .placement import Layout, place
@@ -70,6 +70,8 @@ from .upload import in_parallel
 from .voidjournal import VoidJournal
 
 log = logging.getLogger(__name__)
+
+_RELISTS = 3         # fresh listings of a path whose listed current version went before it was read
 T = TypeVar("T", Manifest, Summary)
 PREFIX = "manifests/"
 WRITER_ID = secrets.token_hex(8)          # this process: breaks ties between commits of one version
@@ -312,12 +314,13 @@ class Catalog:
 
     async def _first_intact(self, key: str, names: Sequence[str], read: Callable[[str], Awaitable[T]]) -> T:
         """read(name) over the stores until one gives a copy that parses and matches its key."""
-        problems = []
+        problems, gone = [], 0
         for name in names:
             try:
                 m = await read(name)
             except NoSuchObject as e:
                 problems.append(str(e))
+                gone += 1
                 continue
             except (StoreError, ManifestError) as e:
                 log.warning("manifest %s on store %r unreadable: %s", key, name, e)
@@ -330,7 +333,8 @@ class Catalog:
                 log.warning("manifest %s on store %r does not match its key", key, name)
                 continue
             return m
-        raise ManifestError(f"manifest {key}: no intact copy ({'; '.join(problems) or 'no store lists it'})")
+        error = ManifestGone if names and gone == len(names) else ManifestError
+        raise error(f"manifest {key}: no intact copy ({'; '.join(problems) or 'no store lists it'})")
 
     async def manifest(self, s: Summary) -> Manifest:
         """The whole manifest of a version a listing summarised (chunks, tensor index)."""
@@ -339,7 +343,30 @@ class Catalog:
     async def _refs(self, path: str) -> tuple[list[VersionRef], Listing, set[str]]:
         """Every version key of a path (those of uncommitted transactions too: they take version
         numbers), where each is listed, and which of the transactions they name have committed."""
-        h = path_hash(path)
+        return await self._refs_of(path_hash(path))
+
+    async def _current_summary(self, h: str, refs: list[VersionRef], where: Mapping[str, Sequence[str]],
+                               committed: set[str]) -> Summary | None:
+        """The summary of the current version among `refs` (None: the path is removed). A version
+        retired or voided between the listing and the read (a path committed several times a second:
+        keep_versions deletes the listed one) is looked for again in a fresh listing of the path, a
+        few times. Before, a refresh left such a busy file out of other mounts' listings (they took it
+        for removed: `rsync --delete` from one deleted its copy; the tools audit's find) and `open`
+        answered EIO."""
+        for attempt in range(_RELISTS + 1):
+            cur = current_of(refs, committed)
+            if cur is None or cur.state == "deleted":
+                return None
+            try:
+                return await self._summary(cur.key, where[cur.key])
+            except ManifestGone:
+                if attempt == _RELISTS:
+                    raise
+            refs, where, fresh = await self._refs_of(h)
+            committed = committed | fresh
+        raise AssertionError("unreachable")
+
+    async def _refs_of(self, h: str) -> tuple[list[VersionRef], Listing, set[str]]:
         where = await self._list(f"{PREFIX}{h}/")
         refs = [r for r in map(VersionRef.parse, where) if r is not None]
         if refs:
@@ -384,14 +411,13 @@ class Catalog:
     async def current(self, path: str) -> Summary:
         """The current version's summary; NotFound if there is none, ManifestError if unreadable."""
         refs, where, committed = await self._refs(path)
-        cur = current_of(refs, committed)
-        if cur is None or cur.state == "deleted":
+        s = await self._current_summary(path_hash(path), refs, where, committed)
+        if s is None:
             if not self.listed_enough(path, where.missed):     # it may be on the stores that missed
                 raise self._unlisted(path, where.missed, "to tell whether it exists")
             raise NotFound(f"no file {path!r}")
-        s = await self._summary(cur.key, where[cur.key])
         if s.path != path:
-            raise ManifestError(f"manifest {cur.key} names {s.path!r}, not {path!r}")
+            raise ManifestError(f"manifest {s.key} names {s.path!r}, not {path!r}")
         return s
 
     async def get(self, path: str) -> Manifest:
@@ -411,6 +437,8 @@ class Catalog:
         for r in sorted(refs, key=lambda r: r.order, reverse=True):
             try:
                 out.append(VersionInfo(r, await self._summary(r.key, where[r.key]), r == cur))
+            except ManifestGone:
+                continue                        # retired since the listing
             except ManifestError as e:
                 out.append(VersionInfo(r, None, r == cur, str(e)))
         return [i for i in out if i.summary is None or i.summary.path == path]
@@ -454,8 +482,9 @@ class Catalog:
                 return
             async with limiter:
                 try:
-                    s = await self._summary(cur.key, where[cur.key])
-                    out[s.path] = s
+                    s = await self._current_summary(h, refs, where, committed)
+                    if s is not None:
+                        out[s.path] = s
                     return
                 except ManifestError as e:
                     reason = str(e)

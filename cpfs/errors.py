@@ -67,6 +67,11 @@ class ManifestError(CpfsError):
     """A manifest does not parse or contradicts itself."""
 
 
+class ManifestGone(ManifestError):
+    """Every store that listed a version no longer has it: retired (keep_versions) or voided between
+    a listing and the read. Not damage: a fresh listing names the version that took its place."""
+
+
 class NameTooLong(ManifestError):
     """A path (or a symlink's target) too long for a manifest's summary line."""
     errno = errno.ENAMETOOLONG

@@ -267,6 +267,42 @@ async def test_a_cancelled_commit_is_voided_in_case_its_put_still_lands(tmp_path
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
 
 
+@pytest.mark.parametrize("how", ["listing", "lookup", "history"])
+async def test_a_version_retired_between_listing_and_read_is_looked_for_again(tmp_path: Path, how: str) -> None:
+    """A path committed several times a second (a log, a `touch` loop): between another catalog's
+    listing and its read of the current version, keep_versions deleted that version. The catalog lists
+    the path again and shows the newest. A refresh left the file out (a mount took it for removed:
+    `rsync --delete` from that mount deleted its copy) and a lookup failed (the tools audit's find)."""
+    writer = Catalog(make_pool(tmp_path, keep=1), writer="aa")
+    await commit_bytes(writer, "/hot.log", b"line 1")
+    wrappers: list[FaultyStore] = []
+    reader = Catalog(make_pool(tmp_path, keep=1, wrap=lambda s: wrappers.append(FaultyStore(s)) or wrappers[-1]),
+                     writer="bb")
+    release, reached = trio.Event(), trio.Event()
+    for w in wrappers:
+        w.hold("get_range", "manifests/*.ok.json", until=release, reached=reached)
+    got: dict[str, object] = {}
+
+    async def read() -> None:
+        if how == "listing":
+            got["summary"] = (await reader.load_all()).get("/hot.log")
+        elif how == "lookup":
+            got["summary"] = await reader.current("/hot.log")
+        else:
+            got["versions"] = [i.ref.version for i in await reader.history("/hot.log")]
+
+    async with trio.open_nursery() as n:
+        n.start_soon(read)
+        await reached.wait()                    # listed version 1, its read held
+        for i in (2, 3, 4):
+            await commit_bytes(writer, "/hot.log", f"line {i}".encode())   # keep 1: version 1 goes
+        release.set()
+    if how == "history":
+        assert got["versions"] == []            # the one listed is gone; no error row for it
+    else:
+        assert got["summary"] is not None and got["summary"].version == 4
+
+
 async def test_versions_are_counters_not_clocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host whose clock is years behind still commits a newer version that everyone sees."""
     ahead, behind = Catalog(make_pool(tmp_path), writer="aa"), Catalog(make_pool(tmp_path), writer="bb")
