@@ -222,6 +222,22 @@ class CpfsOperations(pyfuse3.Operations):
                                uid=self._uid, gid=self._gid, atime_ns=now, ctime_ns=now)
 
     # -- attributes and names ---------------------------------------------------------------------
+    def _implied_mtime(self, node: Node) -> int:
+        """A folder implied by its files' paths (`cpfs put`: no manifest of its own) is as new as its
+        newest entry (through the implied folders below it), the same in every mount; it showed 1970
+        (`ls -l`, `find -newer`, rsync). The kernel caches the answer for entry_timeout."""
+        newest, todo = 0, [node]
+        while todo:
+            for c in todo.pop().children.values():
+                n = self.ns.nodes.get(c)
+                if n is None:
+                    continue
+                if n.summary is not None:
+                    newest = max(newest, n.summary.mtime_ns)
+                elif n.is_dir:
+                    todo.append(n)
+        return newest
+
     def attributes(self, node: Node) -> pyfuse3.EntryAttributes:
         if node is self._control:
             return self._control_attributes()
@@ -242,7 +258,7 @@ class CpfsOperations(pyfuse3.Operations):
         a.st_gid = m.gid if m is not None and m.gid is not None else self._gid
         a.st_nlink = len(node.names)      # a file's hard links (a folder's count is set below)
         a.st_size = 0
-        mtime = m.mtime_ns if m is not None else 0
+        mtime = m.mtime_ns if m is not None else self._implied_mtime(node) if node.is_dir else 0
         ctime = m.ctime_ns if m is not None and m.ctime_ns is not None else mtime
         atime = m.atime_ns if m is not None and m.atime_ns is not None else mtime
         if not node.is_dir and m is None and not node.broken:

@@ -98,6 +98,24 @@ def utimensat(path: Path, atime: tuple[int, int], mtime: tuple[int, int]) -> Non
 
 @pytest.mark.mount
 @needs_root
+def test_a_folder_implied_by_put_files_is_as_new_as_its_newest_file(make_config, tmp_path, mount):
+    """`cpfs put` stores files, not the folders above them: such a folder showed mtime 1970 (`ls -l`,
+    `find -newer`, an rsync out of the mount). It is as new as its newest file, through the implied
+    folders below it, in every mount."""
+    cfg = config(make_config, tmp_path)
+    src = tmp_path / "src"
+    (src / "step_100" / "shards").mkdir(parents=True)
+    for name, when in (("step_100/shards/a.bin", 1_700_000_000), ("step_100/shards/b.bin", 1_700_000_500),
+                       ("step_100/meta.json", 1_690_000_000)):
+        (src / name).write_bytes(name.encode())
+        os.utime(src / name, (when, when))
+    cpfs("put", str(src), "/run", config=cfg)
+    for m in (mount(cfg, "a"), mount(cfg, "b")):
+        for folder in ("run", "run/step_100", "run/step_100/shards"):
+            assert (m.path / folder).stat().st_mtime == 1_700_000_500, folder
+        assert (m.path / "run/step_100/meta.json").stat().st_mtime == 1_690_000_000
+
+
 def test_owner_mode_and_times_persist_and_show_in_another_mount(make_config, tmp_path, mount):
     cfg = config(make_config, tmp_path)
     a = mount(cfg, "a")
