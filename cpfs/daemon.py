@@ -328,9 +328,25 @@ class OneLine(logging.Formatter):
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+class UnwantedReply(logging.Filter):
+    """pyfuse3 logs an answer the kernel no longer waited for (ENOENT from fuse_reply_*: the caller
+    was interrupted, or the mount went, as a RELEASE right before an unmount) at ERROR, which reads
+    like a failure of the operation (the failover-reload audit). It is INFO, saying so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "fuse_reply_* failed" in str(record.msg) \
+                and record.args == (os.strerror(errno.ENOENT),):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg = f"{record.msg} (the kernel no longer waited for this answer)"
+        return True
+
+
 def log_to(handler: logging.Handler, fmt: str, level: str | int) -> None:
     """Every record goes to `handler`, one line each (`OneLine`)."""
     handler.setFormatter(OneLine(fmt))
+    pyfuse3_log = logging.getLogger("pyfuse3")
+    if not any(isinstance(f, UnwantedReply) for f in pyfuse3_log.filters):
+        pyfuse3_log.addFilter(UnwantedReply())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -627,3 +627,27 @@ def test_a_name_with_control_characters_is_logged_on_one_line(make_config, tmp_p
     assert not any(line.startswith("INFO cpfs.fs: forged") for line in text.splitlines())
     assert "\x1b" not in text
     assert "a\\nINFO cpfs.fs: forged\\x1b[31m" in text, text[-2000:]
+
+
+def test_an_answer_the_kernel_no_longer_waited_for_is_logged_as_info() -> None:
+    """pyfuse3 logs a failed fuse_reply_* at ERROR; with ENOENT the kernel had stopped waiting (a
+    RELEASE right before an unmount, an interrupted read), which is no failure (the failover-reload
+    audit read it as one). Other reply failures stay errors."""
+    import io
+    import logging
+    from cpfs.daemon import log_to
+    out = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        log_to(logging.StreamHandler(out), "%(levelname)s %(name)s: %(message)s", "INFO")
+        log = logging.getLogger("pyfuse3")
+        log.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
+        log.error("fuse_read(): fuse_reply_* failed with %s", os.strerror(errno.EINVAL))
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert out.getvalue().splitlines() == [
+        "INFO pyfuse3: fuse_release(): fuse_reply_* failed with No such file or directory (the kernel no "
+        "longer waited for this answer)",
+        "ERROR pyfuse3: fuse_read(): fuse_reply_* failed with Invalid argument"]
