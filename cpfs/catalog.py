@@ -60,8 +60,8 @@ from typing import TypeVar
 
 import trio
 
-from .errors import (ChunkUnavailable, IsADirectory, ManifestError, ManifestGone, NoSuchObject, NotADirectory, NotFound,
-                     Stale, StoreError, StoreUnavailable)
+from .errors import (ChunkUnavailable, IsADirectory, ManifestError, ManifestGone, NoSuchObject, NotADirectory,
+                     NotFound, Stale, StoreError, StoreUnavailable)
 from .manifest import SUMMARY_MAX, ChunkEntry, Manifest, Summary, path_hash
 from .placement import Layout, place
 from .pool import StorePool
@@ -70,10 +70,9 @@ from .upload import in_parallel
 from .voidjournal import VoidJournal
 
 log = logging.getLogger(__name__)
-
-_RELISTS = 3         # fresh listings of a path whose listed current version went before it was read
 T = TypeVar("T", Manifest, Summary)
 PREFIX = "manifests/"
+_RELISTS = 3         # fresh listings of a path whose listed current version went before it was read
 WRITER_ID = secrets.token_hex(8)          # this process: breaks ties between commits of one version
 HOST = socket.gethostname()
 _KEY = re.compile(r"manifests/([0-9a-f]{40})/([0-9]{20})\.([0-9a-f]{0,32})\.(ok|failed|deleted)"
@@ -353,18 +352,19 @@ class Catalog:
         few times. Before, a refresh left such a busy file out of other mounts' listings (they took it
         for removed: `rsync --delete` from one deleted its copy; the tools audit's find) and `open`
         answered EIO."""
-        for attempt in range(_RELISTS + 1):
+        relists = 0
+        while True:
             cur = current_of(refs, committed)
             if cur is None or cur.state == "deleted":
                 return None
             try:
                 return await self._summary(cur.key, where[cur.key])
             except ManifestGone:
-                if attempt == _RELISTS:
+                relists += 1
+                if relists > _RELISTS:
                     raise
             refs, where, fresh = await self._refs_of(h)
             committed = committed | fresh
-        raise AssertionError("unreachable")
 
     async def _refs_of(self, h: str) -> tuple[list[VersionRef], Listing, set[str]]:
         where = await self._list(f"{PREFIX}{h}/")

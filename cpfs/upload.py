@@ -86,8 +86,9 @@ def _hole(fd: int, offset: int, length: int) -> bool:
     after it. A filesystem that does not track holes answers `offset` (data): no."""
     try:
         return os.lseek(fd, offset, os.SEEK_DATA) >= offset + length
-    except OSError as e:
-        return e.errno == errno.ENXIO          # no data from `offset` to the end of the file
+    except OSError as e:     # ENXIO: no data from `offset` to the end, or `offset` past the end (the file
+        # shrank meanwhile: no hole, so that the read says so rather than store zeros)
+        return e.errno == errno.ENXIO and os.fstat(fd).st_size >= offset + length
 
 
 @functools.lru_cache(maxsize=4)

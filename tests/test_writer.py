@@ -22,7 +22,7 @@ from conftest import write_config
 from cpfs.catalog import Catalog
 from cpfs.chunking import LEAD
 from cpfs.config import Config, load_config
-from cpfs.errors import NotFound, StoreError, StoreFull
+from cpfs.errors import CpfsError, NotFound, StoreError, StoreFull
 from cpfs.importer import Importer
 from cpfs.manifest import Manifest
 from cpfs.pool import StorePool
@@ -498,6 +498,9 @@ def test_a_span_in_a_hole_is_the_zero_chunk_without_reading_it(tmp_path: Path) -
         assert enc.digest == chunk_hash(bytes(4 * MiB) + b"d")
         enc = encode_span(fd, 21 * MiB, 3 * MiB, "none", "sparse")
         assert enc is zero_chunk(3 * MiB, "none") and enc.raw_len == 3 * MiB
+        os.truncate(path, 30 * MiB)                     # shrank meanwhile: no zeros past its end
+        with pytest.raises(CpfsError, match="short read"):
+            encode_span(fd, 28 * MiB, 4 * MiB, "lz4", "sparse")
     finally:
         os.close(fd)
 
