@@ -421,8 +421,16 @@ class Catalog:
         return s
 
     async def get(self, path: str) -> Manifest:
-        """The current version; NotFound if there is none, ManifestError if it cannot be read."""
-        return await self.manifest(await self.current(path))
+        """The current version; NotFound if there is none, ManifestError if it cannot be read. One
+        retired between its listing and the read of its manifest is looked up again (`_RELISTS`)."""
+        relists = 0
+        while True:
+            try:
+                return await self.manifest(await self.current(path))
+            except ManifestGone:
+                relists += 1
+                if relists > _RELISTS:
+                    raise
 
     async def history(self, path: str) -> list[VersionInfo]:
         """Every kept version, newest first. StoreUnavailable if the listing missed stores that may hold
@@ -449,7 +457,10 @@ class Catalog:
             if info.ref.version == version and info.ref.state != "deleted":
                 if info.summary is None:
                     raise ManifestError(f"{path} version {version}: {info.error}")
-                return await self.manifest(info.summary)
+                try:
+                    return await self.manifest(info.summary)
+                except ManifestGone:
+                    break                   # retired since the listing
         raise NotFound(f"{path}: no version {version} (see cpfs log {path})")
 
     async def load_all(self) -> Snapshot:

@@ -267,7 +267,7 @@ async def test_a_cancelled_commit_is_voided_in_case_its_put_still_lands(tmp_path
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
 
 
-@pytest.mark.parametrize("how", ["listing", "lookup", "history"])
+@pytest.mark.parametrize("how", ["listing", "lookup", "history", "get", "get_version"])
 async def test_a_version_retired_between_listing_and_read_is_looked_for_again(tmp_path: Path, how: str) -> None:
     """A path committed several times a second (a log, a `touch` loop): between another catalog's
     listing and its read of the current version, keep_versions deleted that version. The catalog lists
@@ -279,8 +279,9 @@ async def test_a_version_retired_between_listing_and_read_is_looked_for_again(tm
     reader = Catalog(make_pool(tmp_path, keep=1, wrap=lambda s: wrappers.append(FaultyStore(s)) or wrappers[-1]),
                      writer="bb")
     release, reached = trio.Event(), trio.Event()
-    for w in wrappers:
-        w.hold("get_range", "manifests/*.ok.json", until=release, reached=reached)
+    for w in wrappers:       # get_range: a summary (listing, lookup, history); get: a whole manifest
+        w.hold("get" if how.startswith("get") else "get_range", "manifests/*.ok.json", until=release,
+               reached=reached)
     got: dict[str, object] = {}
 
     async def read() -> None:
@@ -288,6 +289,12 @@ async def test_a_version_retired_between_listing_and_read_is_looked_for_again(tm
             got["summary"] = (await reader.load_all()).get("/hot.log")
         elif how == "lookup":
             got["summary"] = await reader.current("/hot.log")
+        elif how == "get":
+            got["summary"] = await reader.get("/hot.log")
+        elif how == "get_version":
+            with pytest.raises(NotFound, match="no version 1"):
+                await reader.get_version("/hot.log", 1)
+            got["summary"] = await reader.get_version("/hot.log", 4)
         else:
             got["versions"] = [i.ref.version for i in await reader.history("/hot.log")]
 

@@ -1058,6 +1058,33 @@ async def test_a_file_another_mount_saved_again_looks_up_as_its_new_version(tmp_
         assert (await b.getattr(first.st_ino, ctx)).st_size == len(b"version one")   # its handles' version
 
 
+@pytest.mark.parametrize("flags", [os.O_RDONLY, os.O_RDWR])
+async def test_an_open_of_a_version_retired_since_its_lookup_answers_estale_not_eio(tmp_path: Path,
+                                                                                  flags: int) -> None:
+    """Mount A commits f several times a second with keep_versions 1; mount B looked f up a moment ago
+    (within `refresh`), and A's saves since retired that version. B's open answers ESTALE (the kernel
+    looks the name up again) and the retried lookup opens the newest version. It answered EIO until
+    B's next check (the busy commits audit), for reads and for writes without O_TRUNC alike."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="sa", writer="aa", extra="keep_versions = 1") as (a, _), \
+            operations(tmp_path, staging="sb", writer="bb", extra="keep_versions = 1") as (b, _):
+        await new_file(a, pyfuse3.ROOT_INODE, b"f", b"version 1")
+        await _listed_again(b)
+        old = (await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+        ino = (await a.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+        for n in (2, 3):
+            await a.release(await save(a, ino, f"version {n}".encode()))
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await b.open(old, flags, ctx)
+        assert e.value.errno == errno.ESTALE
+        new = (await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)).st_ino
+        fh = (await b.open(new, os.O_RDONLY, ctx)).fh
+        try:
+            assert await b.read(fh, 0, 100) == b"version 3"
+        finally:
+            await b.release(fh)
+
+
 @pytest.mark.parametrize("op", ["chmod", "touch", "truncate", "rename", "link", "setxattr"])
 async def test_a_change_in_a_mount_that_has_not_seen_anothers_save_keeps_that_save(tmp_path: Path, op: str) -> None:
     """Mount A saves f twice; B, which looked f up before the second save and has not listed since,
