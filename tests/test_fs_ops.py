@@ -1058,6 +1058,35 @@ async def test_a_file_another_mount_saved_again_looks_up_as_its_new_version(tmp_
         assert (await b.getattr(first.st_ino, ctx)).st_size == len(b"version one")   # its handles' version
 
 
+async def test_a_rename_over_a_name_that_lands_during_a_listing_leaves_the_name_listed(tmp_path: Path) -> None:
+    """`x.tmp` renamed over `x` in mount A (keep_versions 1) between another catalog's listing of the
+    transaction records and its listing of the manifests: the new `x` is in a transaction that listing
+    does not count, and A retired the old `x`. The listing is made again and shows `x`; it left `x` out
+    (the busy commits audit: mounts dropped it from their listings, as for a removal)."""
+    ctx = pyfuse3.RequestContext()
+    async with operations(tmp_path, staging="sa", writer="aa", extra="keep_versions = 1") as (a, _):
+        await new_file(a, pyfuse3.ROOT_INODE, b"x", b"version 1")
+        config = load_config(write_config(tmp_path, chunk_size="1MiB", extra="keep_versions = 1"))
+        wrappers = [FaultyStore(open_store(s)) for s in config.stores]
+        reader = Catalog(StorePool(config, stores=wrappers), writer="bb")
+        release, reached = trio.Event(), trio.Event()
+        for w in wrappers:
+            w.hold("list", "manifests/", until=release, reached=reached)
+        got = {}
+
+        async def listing() -> None:
+            got["snapshot"] = await reader.load_all()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(listing)
+            await reached.wait()                # the records are listed; the manifests wait
+            await new_file(a, pyfuse3.ROOT_INODE, b"x.tmp", b"version 2")
+            await a.rename(pyfuse3.ROOT_INODE, b"x.tmp", pyfuse3.ROOT_INODE, b"x", 0, ctx)
+            release.set()
+        assert sorted(got["snapshot"]) == ["/x"]
+        assert got["snapshot"]["/x"].size == len(b"version 2")
+
+
 @pytest.mark.parametrize("flags", [os.O_RDONLY, os.O_RDWR])
 async def test_an_open_of_a_version_retired_since_its_lookup_answers_estale_not_eio(tmp_path: Path,
                                                                                   flags: int) -> None:
