@@ -197,7 +197,6 @@ class CpfsOperations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self.writing: dict[int, Writing] = {}           # inode -> its write session
         self._settling: dict[int, trio.Event] = {}      # inode -> set when its commit outside a session ends
-        self._checked: dict[int, float] = {}            # inode -> when its newest version was looked up
         self._fh = itertools.count(1)
         self._uid, self._gid = os.getuid(), os.getgid()
         self._upload_slots = trio.CapacityLimiter(config.fetch_concurrency)
@@ -452,12 +451,12 @@ class CpfsOperations(pyfuse3.Operations):
     async def _rechecked(self, node: Node) -> Node | None:
         """`_caught_up`, at most once per `refresh` per inode."""
         now = trio.current_time()
-        if now - self._checked.get(node.ino, -math.inf) < self.config.refresh:
+        if now - node.checked < self.config.refresh:
             return node
-        self._checked[node.ino] = now
+        node.checked = now
         new = await self._caught_up(node)
         if new is not None:
-            self._checked[new.ino] = now
+            new.checked = now
         return new
 
     async def _caught_up(self, node: Node) -> Node | None:
@@ -632,7 +631,7 @@ class CpfsOperations(pyfuse3.Operations):
         try:
             return await self._manifest(node)
         except ManifestGone:
-            self._checked.pop(node.ino, None)
+            node.checked = -math.inf
             if await self._rechecked(node) is not node:
                 raise pyfuse3.FUSEError(errno.ESTALE) from None
             raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import math
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class Node:
     # resumed at a cookie starts there, not at the first name (a folder of N names took N^2/batch steps).
     _order: list[tuple[int, str]] = field(default_factory=list)
     broken: str = ""                          # why the current version cannot be read (open: EIO)
+    checked: float = -math.inf                # when this mount last looked up its newest version (trio clock)
     entries_changed_ns: int = 0               # a folder: when this mount last added or removed a name in it
                                               # (its mtime and ctime show it; not committed, see cpfs/fs.py)
     aliases: list[str] = field(default_factory=list)   # a file's other names (hard links)
