@@ -23,12 +23,17 @@ The formats say where they end, so the check reads only headers and the tail, ne
 - numpy's .npy (`numpy.save`, `open_memmap`: b"\\x93NUMPY", a version, a header length, then a dict
   literal with the dtype and shape) is complete once the header is whole and the file reaches the end
   of the shape's elements. A killed np.save committed ok before (noticed by the ML workflows audit); an
-  object array (pickled after the header) or a dtype this module does not size is not judged.
-- a pickle (`pickle.dump`, `joblib.dump`, at protocol 4, Python's default, or 5: PROTO, then a FRAME
-  and its length) is complete once it ends with STOP (b"."), its last byte: a writer killed between
-  two frames or inside a large object leaves another byte there but for about 1 cut in 100. A file
-  of several pickles back to back ends with the last one's STOP. Protocols 2 and 3 (no frames) are
-  not judged, but for torch's legacy format above.
+  object array (pickled after the header) or a dtype this module does not size is not judged, nor a
+  file that holds its header alone: `open_memmap(mode="w+")` writes and closes that, then extends
+  the file by a mapping (its saves failed: the completeness audit).
+- a pickle file (named *.pkl, *.pickle, *.pck, *.pcl, or dcp's `.metadata`; `pickle.dump`,
+  `joblib.dump`, at protocol 4, Python's default, or 5: PROTO, then a FRAME and its length) is complete
+  once it ends with STOP (b"."), its last byte: a writer killed between two frames or inside a large
+  object leaves another byte there but for about 1 cut in 100. A file of several pickles back to back
+  ends with the last one's STOP. By name only: a pickle followed by other bytes (a pickled header,
+  then `np.save` or raw data into the same file) is a format of its own, and its saves failed
+  (the completeness audit). Protocols 2 and 3 (no frames) are not judged, but for torch's legacy
+  format above, which is recognised at any protocol by its first pickle, torch's magic number.
 Anything else (or bytes that only look like those formats at the first byte) is not judged: None.
 """
 from __future__ import annotations
@@ -54,13 +59,16 @@ _NPY_MAGIC = b"\x93NUMPY"
 _NPY_HEADER_MAX = 1 << 20                # numpy's own reader stops at 10 KB unless told otherwise
 _NPY_SCALAR = re.compile(r"[<>|=]?([biufcmMSUV])(\d*)(\[\w+\])?")
 _PICKLE_FRAMED = (b"\x80\x04\x95", b"\x80\x05\x95")   # PROTO 4 or 5, then FRAME
+_PICKLE_NAMES = (".pkl", ".pickle", ".pck", ".pcl")
+_LEGACY_FRAMED_MAGIC = _LEGACY_MAGIC[2:]     # LONG1 of torch's magic number and STOP, inside a first FRAME
 _PICKLE_FRAME_MAX = 1 << 20             # pickle's frames aim at 64 KiB; larger objects go between them
 _STRINGS = {"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BINSTRING", "SHORT_BINSTRING"}
 
 
-def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
+def incomplete_reason(read_at: ReadAt, size: int, name: str = "") -> str | None:
     """Why these `size` bytes are an incomplete checkpoint (see the module doc for the formats); None
-    if they are complete, or not one of those formats. Blocking (reads through `read_at`): run it in a thread."""
+    if they are complete, or not one of those formats. `name`: the file's path (pickles are judged by
+    name too). Blocking (reads through `read_at`): run it in a thread."""
     head = read_at(0, min(size, 9))     # no more: write-behind may drop what the checks do not read
     if head[:4] == _ZIP_LOCAL:
         return _zip_reason(read_at, size)
@@ -71,7 +79,11 @@ def incomplete_reason(read_at: ReadAt, size: int) -> str | None:
     if len(head) == 9 and head[8:9] == b"{":
         return _safetensors_reason(read_at, size, struct.unpack_from("<Q", head)[0])
     if head[:3] in _PICKLE_FRAMED:       # after safetensors: a pickle has no "{" at byte 8 (a length byte)
-        return _pickle_reason(read_at, size)
+        if read_at(11, len(_LEGACY_FRAMED_MAGIC)) == _LEGACY_FRAMED_MAGIC:
+            return _legacy_reason(read_at, size)        # torch.save(..., pickle_protocol=4 or 5), legacy
+        base = name.rsplit("/", 1)[-1]
+        if base.endswith(_PICKLE_NAMES) or base == ".metadata":
+            return _pickle_reason(read_at, size)
     return None
 
 
@@ -202,6 +214,8 @@ def _npy_reason(read_at: ReadAt, size: int) -> str | None:
     if itemsize is None or not isinstance(shape, tuple) or not all(type(x) is int and x >= 0 for x in shape):
         return None
     want = start + itemsize * math.prod(shape)
+    if size == start:
+        return None             # the header alone: open_memmap's first close (see the module doc)
     if size < want:
         return f"npy file of {size} bytes: its {math.prod(shape)} elements end at byte {want}"
     return None

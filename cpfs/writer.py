@@ -832,7 +832,7 @@ class WriteSession:
                     "before its first byte)") if self._replaces_checkpoint else None
         await self._file.fd()
         read_at, limiter = self._reader()
-        return await self._file.run(incomplete_reason, read_at, size, limiter=limiter)
+        return await self._file.run(incomplete_reason, read_at, size, self.path, limiter=limiter)
 
     async def _store_all(self, spans: list[Span]) -> list[ChunkEntry]:
         """Entries for every span: reused if stored as they are, else encoded and stored now."""
