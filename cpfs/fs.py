@@ -238,8 +238,10 @@ class CpfsOperations(pyfuse3.Operations):
         return newest
 
     def attributes(self, node: Node) -> pyfuse3.EntryAttributes:
+        """The node's attributes, for a reply to the kernel (which may then hold its inode: `given`)."""
         if node is self._control:
             return self._control_attributes()
+        node.given = True
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0

@@ -310,6 +310,17 @@ async def test_a_version_retired_between_listing_and_read_is_looked_for_again(tm
         assert got["summary"] is not None and got["summary"].version == 4
 
 
+async def test_a_reader_keeps_no_summaries_of_versions_retired_since(tmp_path: Path) -> None:
+    """A mount that only reads another's busy file cached the summary of every version it ever listed
+    (the soak audit: 29,000 an hour); a full listing lets go of those no store lists any more."""
+    writer = Catalog(make_pool(tmp_path, keep=1), writer="aa")
+    reader = Catalog(make_pool(tmp_path, keep=1), writer="bb")
+    for i in range(20):
+        await commit_bytes(writer, "/hot.log", f"line {i}".encode())
+        assert (await reader.load_all())["/hot.log"].version == i + 1
+    assert reader.statistics().cached <= 2
+
+
 async def test_versions_are_counters_not_clocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host whose clock is years behind still commits a newer version that everyone sees."""
     ahead, behind = Catalog(make_pool(tmp_path), writer="aa"), Catalog(make_pool(tmp_path), writer="bb")

@@ -6,6 +6,7 @@ Each must start from what the one before committed (CpfsOperations._settled)."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import random
@@ -1056,6 +1057,28 @@ async def test_a_file_another_mount_saved_again_looks_up_as_its_new_version(tmp_
         again = await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)
         assert again.st_ino != first.st_ino and again.st_size == len(b"version two, longer")
         assert (await b.getattr(first.st_ino, ctx)).st_size == len(b"version one")   # its handles' version
+
+
+async def test_versions_a_mount_listed_but_the_kernel_never_looked_up_are_not_kept(tmp_path: Path) -> None:
+    """Each newer version a listing finds gets a new inode and retires the old one until the kernel
+    forgets it; an inode the kernel never had gets no forget, and such nodes piled up in a mount that
+    watches another's busy files (the soak audit: 6,200 an hour). One the kernel had is kept."""
+    ctx = pyfuse3.RequestContext()
+
+    def retired() -> int:
+        return json.loads(b.statistics_document())["mount"]["retired"]
+
+    async with operations(tmp_path, staging="sa", writer="aa") as (a, _), \
+            operations(tmp_path, staging="sb", writer="bb") as (b, _):
+        ino = (await new_file(a, pyfuse3.ROOT_INODE, b"f", b"version 0")).st_ino
+        for n in range(1, 6):
+            await a.release(await save(a, ino, f"version {n}".encode()))
+            await _listed_again(b)
+        assert retired() == 0
+        await b.lookup(pyfuse3.ROOT_INODE, b"f", ctx)             # the kernel has this one
+        await a.release(await save(a, ino, b"version 6"))
+        await _listed_again(b)
+        assert retired() == 1
 
 
 async def test_a_rename_over_a_name_that_lands_during_a_listing_leaves_the_name_listed(tmp_path: Path) -> None:
