@@ -483,20 +483,26 @@ async def test_a_store_whose_folder_vanishes_is_marked_down_though_hedges_win(tm
     writer = StorePool(config)
     payloads = [os.urandom(20_000 + i) for i in range(48)]
     entries = [await _store(writer, data, ["s0", "s1"]) for data in payloads]
-    pool = StorePool(config, seed=1)
-    for entry, data in zip(entries[:8], payloads[:8]):        # s0 answers at first
-        assert await pool.fetch_chunk(entry, "drill") == data
-    (tmp_path / "s0").rename(tmp_path / "s0.away")
     limiter = trio.CapacityLimiter(8)
-
-    async def one(entry: ChunkEntry, data: bytes) -> None:
-        async with limiter:
+    # Whether a hedge wins before s0 is marked down is a race (on a loaded CI machine the first three
+    # failures can come first): up to 3 tries, each on a fresh pool with s0 back in place.
+    for attempt in range(3):
+        pool = StorePool(config, seed=1 + attempt)
+        for entry, data in zip(entries[:8], payloads[:8]):        # s0 answers at first
             assert await pool.fetch_chunk(entry, "drill") == data
+        (tmp_path / "s0").rename(tmp_path / "s0.away")
 
-    with trio.fail_after(20):
-        async with trio.open_nursery() as n:
-            for entry, data in zip(entries[8:], payloads[8:]):
-                n.start_soon(one, entry, data)
+        async def one(entry: ChunkEntry, data: bytes) -> None:
+            async with limiter:
+                assert await pool.fetch_chunk(entry, "drill") == data
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as n:
+                for entry, data in zip(entries[8:], payloads[8:]):
+                    n.start_soon(one, entry, data)
+        if pool.replica_statistics().hedges_won >= 1:
+            break
+        (tmp_path / "s0.away").rename(tmp_path / "s0")
     s0 = pool.health()[0]
     assert pool.replica_statistics().hedges_won >= 1
     assert not s0.up and s0.marked_down == 1 and "gone" in s0.reason, s0
