@@ -52,7 +52,6 @@ since (at most `[mount] refresh`: an open looks for newer versions that often).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -63,7 +62,7 @@ from dataclasses import dataclass
 import trio
 
 from .errors import MALFORMED, ManifestError, NoSuchObject, StoreError
-from .manifest import Manifest
+from .manifest import Manifest, metadata_check
 from .pool import TICKS_WATCH, StorePool
 from .sync import fan_out
 from .upload import in_parallel
@@ -113,7 +112,7 @@ class Hold:
 
 
 def _check(fields: dict[str, object]) -> str:
-    return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()[:32]
+    return metadata_check(json.dumps(fields, separators=(",", ":")).encode())
 
 
 @dataclass(frozen=True, kw_only=True)

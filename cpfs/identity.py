@@ -27,13 +27,13 @@ Stores of two deployments are merged on purpose by deleting KEY from the stores 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import uuid
 from dataclasses import dataclass
 
 from .errors import MALFORMED, ConfigError, ManifestError, NoSuchObject, StoreError
+from .manifest import metadata_check
 from .pool import StorePool
 from .sync import fan_out
 
@@ -76,7 +76,7 @@ class Identity:
 
 
 def _check(fields: dict[str, object]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+    return metadata_check(json.dumps(fields, sort_keys=True).encode())
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ stores' identities (cpfs/identity.py), as is one whose URL points at another dep
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 from . import identity
 from .catalog import PREFIX as MANIFESTS, Catalog
 from .errors import MALFORMED, ConfigError, ManifestError, NoSuchObject, StoreError
+from .manifest import metadata_check
 from .placement import Layout
 from .pool import StorePool
 from .sync import fan_out
@@ -60,6 +60,11 @@ log = logging.getLogger(__name__)
 
 PREFIX = "roster/"
 FORMAT = 1
+
+
+def _key_of(data: bytes) -> str:
+    """An enrollment's key: named by its bytes' check, so that a copy is verified by its name."""
+    return f"{PREFIX}{metadata_check(data)}.json"
 
 
 @dataclass(frozen=True)
@@ -88,14 +93,14 @@ class Enrollment:
 
     @property
     def key(self) -> str:
-        return f"{PREFIX}{hashlib.sha256(self.to_bytes()).hexdigest()[:32]}.json"
+        return _key_of(self.to_bytes())
 
     @classmethod
     def parse(cls, key: str, data: bytes) -> Enrollment:
         """ManifestError (bad stored metadata) if the object is not an enrollment of this format, or
         its bytes do not hash to its key (a copy that rotted: `read` takes another store's; one whose
         digits flipped parsed, and a shorter gc_grace would have let gc delete what mounts count on)."""
-        if key != f"{PREFIX}{hashlib.sha256(data).hexdigest()[:32]}.json":
+        if key != _key_of(data):
             raise ManifestError(f"roster object {key}: its bytes do not match its name: a damaged copy")
         try:
             doc = json.loads(data)

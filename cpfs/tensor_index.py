@@ -313,18 +313,18 @@ def _zip_records(read_at: ReadAt, size: int) -> tuple[list[Record], int]:
         raise _Malformed(f"a zip after {base} bytes of other data (back-to-back torch.save items, as "
                          f"torch.distributed.checkpoint writes): one zip's index would miss the rest")
     records = []
-    for raw_name, flags, method, comp, local, _ in central_entries(_read_exact(read_at, cd_offset, cd_size), count):
-        if method != 0 or flags & 1:
+    for e in central_entries(_read_exact(read_at, cd_offset, cd_size), count):
+        if e.method != 0 or e.flags & 1:
             raise _Malformed("compressed or encrypted member")
-        name = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
-        header = _read_exact(read_at, local, 30)
+        name = e.name.decode("utf-8" if e.flags & 0x800 else "cp437")
+        header = _read_exact(read_at, e.local, 30)
         if header[:4] != b"PK\x03\x04":
             raise _Malformed(f"bad local header for {name}")
         lnlen, lelen = struct.unpack_from("<HH", header, 26)
-        data = local + 30 + lnlen + lelen
-        if data + comp > cd_offset:
+        data = e.local + 30 + lnlen + lelen
+        if data + e.comp > cd_offset:
             raise _Malformed(f"member {name} overruns the central directory")
-        records.append(Record(name, data, comp))
+        records.append(Record(name, data, e.comp))
     return records, cd_offset
 
 
