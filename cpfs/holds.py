@@ -133,7 +133,7 @@ class _Held:
     """A version held: its object's key, users (takes not yet dropped), when its write is due, the
     write's end, and the stores that hold it."""
 
-    __slots__ = ("manifest", "key", "users", "taken_at", "due", "writing", "settled", "stores", "left_at")
+    __slots__ = ("manifest", "key", "users", "taken_at", "due", "writing", "settled", "stores", "left_at", "gone")
 
     def __init__(self, manifest: Manifest, key: str, now: float, tick: float) -> None:
         self.manifest = manifest
@@ -146,6 +146,7 @@ class _Held:
         #                                   one for each write, made when it is started)
         self.stores: set[str] = set()
         self.left_at: float | None = None   # trio time of the last drop, while no one uses it
+        self.gone = False                   # let go of for good: its deletion has begun (`Holds._gone`)
 
 
 def token_of(m: Manifest) -> Hashable:
@@ -226,7 +227,7 @@ class Holds:
                         if h.left_at + DROP_DELAY > now:
                             times.append(h.left_at + DROP_DELAY)
                         elif h.writing:
-                            n.start_soon(self._delete, self._held.pop(token))
+                            n.start_soon(self._delete, self._gone(token))
                         else:
                             del self._held[token]
                             self._skipped += 1       # closed before DEFER: nothing to write or delete
@@ -249,11 +250,20 @@ class Holds:
 
     async def aclose(self) -> None:
         """At unmount: nothing is open any more, every hold goes."""
-        held = [h for h in self._held.values() if h.writing]
+        held = [self._gone(token) for token, h in list(self._held.items()) if h.writing]
         self._held.clear()
         async with trio.open_nursery() as n:
             for h in held:
                 n.start_soon(self._delete, h)
+
+    def _gone(self, token: Hashable) -> _Held:
+        """Let go of the hold for good, before its deletion starts: a renewal under way when it was
+        let go of then neither writes it again (where the deletion came first, the touch finds no
+        object) nor says a store lost it. Both did: the hold came back as an orphan until its lease
+        ran out, after a false warning (the soak audit)."""
+        h = self._held.pop(token)
+        h.gone = True
+        return h
 
     async def _write(self, h: _Held) -> None:
         """Put the version's hold on every store (logged: none took it, or too late for gc's SETTLE).
@@ -301,6 +311,8 @@ class Holds:
                 await self.pool.touch(name, h.key)
                 self._renewed += 1
             except NoSuchObject:
+                if h.gone:
+                    return          # deleted meanwhile, as it should be
                 log.warning("store %r lost the hold %s: writing it again", name, h.key)
                 h.stores.discard(name)
                 again.add(h)
@@ -310,7 +322,7 @@ class Holds:
         up = set(self._up())
         await fan_out(renew, [(h, name) for h in held for name in sorted(h.stores & up)], catch=())
         for h in again:
-            if h.settled.is_set() and self._nursery is not None:
+            if not h.gone and h.settled.is_set() and self._nursery is not None:
                 h.settled = trio.Event()
                 self._nursery.start_soon(self._write, h)
 

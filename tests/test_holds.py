@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from cpfs.gc import GarbageCollector
-from cpfs.holds import DEFER, PREFIX, Holds
+from cpfs.holds import DEFER, DROP_DELAY, PREFIX, Holds
 from cpfs.errors import StoreUnavailable
 from cpfs.pool import TICKS_WATCH
 from cpfs.store import FaultyStore, Store, StoreWrapper
@@ -222,6 +222,51 @@ async def test_a_hold_is_renewed_while_open_and_written_again_where_a_store_lost
         _age_chunks(tmp_path)
         report = await GarbageCollector(_pool(cfg), grace=GRACE, settle=0).run()
         assert report.held == len(_digests([first])) and _missing_copies(tmp_path, first) == []
+
+
+class GatedTouch(StoreWrapper):
+    """A store whose touches of holds wait while `gate` is closed (a renewal slow to answer)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.gate: trio.Event | None = None
+        self.waiting = 0
+
+    async def touch(self, key: str) -> None:
+        if key.startswith(PREFIX) and self.gate is not None:
+            self.waiting += 1
+            await self.gate.wait()
+        await self.inner.touch(key)
+
+
+async def test_a_renewal_under_way_when_the_hold_is_let_go_of_does_not_write_it_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The soak audit: a renewal still touching a hold while it was let go of and deleted found no
+    object, said the store "lost the hold" and wrote it again: an orphan hold, kept from gc's
+    deletion until its lease ran out. Now the renewal leaves a hold let go of alone."""
+    cfg = _config(tmp_path)
+    w, data, first = await _retired_version(tmp_path, cfg)
+    gated: list[GatedTouch] = []
+
+    def gate(s: Store) -> Store:
+        gated.append(GatedTouch(s))
+        return gated[-1]
+    pool = _pool(cfg, gate)
+    async with _running(Holds(pool, lease=8.0 * 0.3)) as holds:
+        token = holds.take(first, at_once=True)
+        await _until(lambda: len(_hold_files(tmp_path)) == 3)
+        for g in gated:
+            g.gate = trio.Event()
+        await _until(lambda: all(g.waiting for g in gated))      # a renewal waits on every store
+        holds.drop(token)
+        await _until(lambda: _hold_files(tmp_path) == [], timeout=DROP_DELAY + 5)
+        for g in gated:
+            g.gate.set()
+            g.gate = None
+        await trio.sleep(1.0)                                    # renewals come every 0.3 s
+        assert _hold_files(tmp_path) == []
+        assert holds.statistics().objects == 0
+    assert "lost the hold" not in caplog.text
 
 
 async def test_a_host_waking_from_a_suspend_renews_its_holds_at_once(tmp_path: Path,
