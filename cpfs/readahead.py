@@ -178,6 +178,7 @@ class SchedulerStats:
     refill_skipped: int = 0          # ... and given up: the queue overflowed, the cache had no room, the
                                      # fetch failed (the reader had its bytes; only the later hits are lost)
     feeders: int = 0                 # file versions whose pushes are tracked now (until the kernel forgets them)
+    written_files: int = 0           # files written here, whose pages take pushes of one version (until forgotten)
     files: tuple[FileStats, ...] = ()
 
 
@@ -339,8 +340,12 @@ class Scheduler:
     def forget(self, inode: int) -> None:
         """The kernel dropped the inode, and its pages with it: what was pushed to them, and declared
         for them, goes too. Kept, a feeder per version ever opened held its manifest for the life of
-        the mount (megabytes per large checkpoint, one per step an evaluator loaded)."""
+        the mount (megabytes per large checkpoint, one per step an evaluator loaded). So does the version
+        its pages held after a write here (none now), unless a write session is still under way: kept,
+        an entry per file ever written stayed (the soak audit)."""
         self._drop_feeders(inode)
+        if self._pushable.get(inode) != WRITING:
+            self._pushable.pop(inode, None)
         for key in [k for k in self._declared if k[0] == inode]:
             del self._declared[key]
 
@@ -438,7 +443,8 @@ class Scheduler:
             prefetch_wasted_bytes=self._wasted, kernel_drops=drops, block_fetches=self._block_fetches,
             block_bytes=self._block_bytes, part_fetches=self._part_fetches, part_bytes=self._part_bytes,
             refilled=self._refilled, refill_queued=len(self._to_refill),
-            refill_skipped=self._refill_skipped, feeders=len(self._feeders), files=files)
+            refill_skipped=self._refill_skipped, feeders=len(self._feeders),
+                              written_files=len(self._pushable), files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
                    inode: int = 0, direct: bool = False) -> "FileReader":

@@ -842,6 +842,26 @@ async def test_a_file_the_kernel_forgot_lets_go_of_its_manifest_and_pushes(tmp_p
         assert ops.sched.statistics().feeders == 4
 
 
+async def test_a_file_written_here_that_the_kernel_forgot_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A write here ties the file's page-cache pushes to the version its pages hold; once the kernel
+    forgets the inode (its pages go with it) that tie goes too, and the next open pushes and reads the
+    same bytes. It stayed for the life of the mount, one per file ever written (the soak audit)."""
+    ctx = pyfuse3.RequestContext()
+    data = {f"step_{i}.pt".encode(): os.urandom(2 * MiB) for i in range(3)}
+    model = PageCacheModel()
+    async with operations(tmp_path, pusher=Pusher(threads=1, notify=model.notify)) as (ops, _):
+        inos = [(await new_file(ops, pyfuse3.ROOT_INODE, name, d)).st_ino for name, d in data.items()]
+        assert ops.sched.statistics().written_files == 3
+        await ops.forget([(ino, 1) for ino in inos])
+        assert ops.sched.statistics().written_files == 0
+        for ino, d in zip(inos, data.values()):
+            fh = (await ops.open(ino, os.O_RDONLY, ctx)).fh
+            for off in range(0, len(d), MiB):
+                assert await ops.read(fh, off, MiB) == d[off:off + MiB]
+            await ops.release(fh)
+        assert ops.sched.statistics().feeders == 3
+
+
 async def test_a_forgotten_file_this_mount_committed_reads_again(tmp_path: Path) -> None:
     """A version committed by this mount (a save, a chmod, a rename) names no store key: dropping its
     manifest when the kernel forgot the inode made the next open fetch key '' and fail with EIO (CI
