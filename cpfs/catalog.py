@@ -41,7 +41,8 @@ all its versions written before its manifests were listed: a listing shows every
 old or every path new, never a mix. A transaction's versions are taken back (deleted) only by the
 writer whose commit failed; a record stays while a version names it (`cpfs gc` removes it after).
 A mount remembers a transaction as committed for good only once it lists its record on `write_quorum`
-stores: a failing transaction's record can be listed on fewer, before its writer voids it.
+stores: a failing transaction's record can be listed on fewer, before its writer voids it. It forgets
+it once a complete listing shows no version that names it (none can come back: see `_forget_txns`).
 """
 from __future__ import annotations
 
@@ -163,6 +164,7 @@ class CatalogStats:
     transactions: int       # multi-path commits (folder renames, hard links) committed here
     voided: int             # failed commits whose copy could not be deleted, voided by a twin or marker
     unvoided: int           # ... whose twin or marker no store took yet: they may count (retried)
+    remembered: int = 0     # transactions remembered as committed or voided for good (those a version names)
 
 
 class Listing(dict[str, list[str]]):
@@ -252,7 +254,8 @@ class Catalog:
         return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
                             cached=len(self._summaries), commits=self._commits, failed_commits=self._failed,
                             retired=self._retired, transactions=self._transactions, voided=self._voided,
-                            unvoided=len(self._unvoided))
+                            unvoided=len(self._unvoided),
+                            remembered=len(self._txns) + len(self._txns_voided))
 
     # -- reading ---------------------------------------------------------------------------------
     async def _list(self, prefix: str) -> "Listing":
@@ -482,6 +485,7 @@ class Catalog:
         """The snapshot, and a transaction that tore it ("" if none: see load_all)."""
         known = set(self._txns)          # committed before the listings: known to this snapshot
         committed = known | await self.committed_transactions()   # before manifests: see the module doc
+        settled = set(self._txns), set(self._txns_voided)
         where = await self._list(PREFIX)
         by_hash: dict[str, list[VersionRef]] = {}
         legacy = []
@@ -499,6 +503,7 @@ class Catalog:
             # found a reader's cache growing by 29,000 an hour): read again if ever needed
             for key in [k for k in self._summaries if k not in where]:
                 del self._summaries[key]
+            self._forget_txns(settled, {r.txn for refs in by_hash.values() for r in refs if r.txn})
         out = Snapshot()
         out.missed = where.missed
         limiter = trio.CapacityLimiter(_FETCHES)
@@ -548,6 +553,15 @@ class Catalog:
             for h, refs in by_hash.items():
                 n.start_soon(one, h, refs)
         return out, torn
+
+    def _forget_txns(self, settled: tuple[set[str], set[str]], named: set[str]) -> None:
+        """Forget the transactions remembered before a complete listing of the manifests (`settled`:
+        committed, voided) that no version it listed names: all of a transaction's versions are written
+        before its record, so none of them is left, and none will be. Kept, a mount remembered every
+        transaction it ever saw (a save by temporary name and rename is one) and copied them all at
+        each listing. One committed meanwhile is not in `settled`: its versions may be unlisted yet."""
+        self._txns -= settled[0] - named
+        self._txns_voided -= settled[1] - named
 
     async def committed_transactions(self) -> set[str]:
         """The transactions that count by a listing of every store's records (see the module doc)."""

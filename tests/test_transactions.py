@@ -203,3 +203,19 @@ async def test_a_transaction_changes_each_path_once(tmp_path: Path) -> None:
     m = await commit_bytes(cat, "/a", b"x")
     with pytest.raises(ValueError):
         await cat.transact([m], [m])
+
+
+async def test_a_mount_forgets_transactions_no_version_names_any_more(tmp_path: Path) -> None:
+    """A save by temporary name and rename is a transaction; a mount remembered every one it saw for
+    good and copied them all at each listing (a mount watching a busy writer grew without bound). A
+    complete listing forgets those whose versions are all retired, and the path stays listed."""
+    writer, reader = Catalog(make_pool(tmp_path, keep=1), writer="aa"), Catalog(make_pool(tmp_path, keep=1), writer="bb")
+    for i in range(12):
+        tmp = await commit_bytes(writer, "/x.tmp", f"save {i}".encode())
+        await writer.transact([dataclasses.replace(tmp, path="/x")], [tmp])
+        listed = await reader.load_all()
+        assert "/x.tmp" not in listed and listed["/x"].size == len(f"save {i}")
+        assert (await reader.get("/x")).size == len(f"save {i}")
+    assert writer.statistics().transactions == 12
+    await writer.load_all()
+    assert writer.statistics().remembered <= 3 and reader.statistics().remembered <= 3
