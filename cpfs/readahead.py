@@ -444,7 +444,7 @@ class Scheduler:
             block_bytes=self._block_bytes, part_fetches=self._part_fetches, part_bytes=self._part_bytes,
             refilled=self._refilled, refill_queued=len(self._to_refill),
             refill_skipped=self._refill_skipped, feeders=len(self._feeders),
-                              written_files=len(self._pushable), files=files)
+            written_files=len(self._pushable), files=files)
 
     async def open(self, nursery: trio.Nursery, manifest: Manifest, index: TensorIndex | None,
                    inode: int = 0, direct: bool = False) -> "FileReader":
