@@ -23,7 +23,7 @@ from .catalog import Catalog, Unreadable
 from .config import GC_GRACE_FLOOR, Config, load_config, parse_duration
 from .errors import ConfigError, CpfsError, ManifestError, NotFound, StoreError, StoreUnavailable
 from .holds import Holds
-from .importer import Importer
+from .importer import Importer, Tree
 from .manifest import Summary, normalize_path
 from .pool import StorePool
 from .readahead import Scheduler
@@ -75,22 +75,33 @@ async def cmd_put(config: Config, args: argparse.Namespace) -> int:
     src = Path(args.src)
     if not src.exists():
         raise NotFound(f"{src}: no such file or folder")
-    total = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size
+    total = Tree.of(src, args.dereference).size if src.is_dir() else src.stat().st_size
     pool, catalog = await _open(config, writes=True)
     t0 = time.monotonic()
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not sys.stderr.isatty(),
               desc="put", file=sys.stderr) as bar:
         importer = Importer(pool, catalog, progress=bar.update)
-        manifests = await importer.put(src, args.dest)
+        manifests = await importer.put(src, args.dest, follow=args.dereference)
     s = importer.stats
     dt = time.monotonic() - t0
     ratio = "inf (no new chunk data)" if s.new_raw_bytes == 0 else f"{s.dedup_ratio:.2f}"
     print(f"put {s.files} file(s), {_human(s.logical_bytes)} in {dt:.1f}s ({_human(s.logical_bytes / dt)}/s): "
           f"new chunk data {_human(s.new_raw_bytes)}, stored {_human(s.new_stored_bytes)} "
           f"over {config.replicas} replicas, dedup ratio {ratio}")
+    links = sum(1 for m in manifests if m.symlink)
+    folders = len(manifests) - s.files - links
+    also = ([f"{links} symbolic link(s), kept as links (-L imports what they point to)"] if links else []) + \
+        ([f"{folders} empty folder(s)"] if folders else [])
+    if also:
+        print("and " + ", ".join(also))
     for m in manifests:
-        print(f"  {m.path}  {m.size} bytes  {len(m.chunks)} chunks"
-              f"{'  tensor index: ' + str(len(m.tensor_index['tensors'])) + ' tensors' if m.tensor_index else ''}")
+        if m.symlink:
+            print(f"  {m.path} -> {m.symlink}")
+        elif m.directory:
+            print(f"  {m.path}/")
+        else:
+            print(f"  {m.path}  {m.size} bytes  {len(m.chunks)} chunks"
+                  f"{'  tensor index: ' + str(len(m.tensor_index['tensors'])) + ' tensors' if m.tensor_index else ''}")
     return 0
 
 
@@ -392,6 +403,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("put", parents=[common], help="import a file or folder")
     s.add_argument("src")
     s.add_argument("dest", nargs="?")
+    s.add_argument("-L", "--dereference", action="store_true",
+                   help="follow symbolic links in a folder and import what they point to (default: keep them as links)")
     s = sub.add_parser("ls", parents=[common], help="list a folder")
     s.add_argument("path", nargs="?")
     s = sub.add_parser("inspect", parents=[common], help="chunks, replicas, tensor index of a file")

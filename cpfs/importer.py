@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,69 @@ class PutStats:
     def dedup_ratio(self) -> float:
         """Logical bytes per new raw byte: 1.0 for all-new data, inf when nothing was new."""
         return self.logical_bytes / self.new_raw_bytes if self.new_raw_bytes else float("inf")
+
+
+@dataclass(frozen=True)
+class Tree:
+    """What a put of a folder imports, as `cp -a` and `rsync -a` see it: regular files, symbolic links
+    (kept as links: a checkpoint's `latest -> step_100`, a Hugging Face snapshot's links to its
+    blobs) and empty folders; `skipped`: the other kinds (fifos, sockets, devices), which no put stores.
+    With `follow` (`cpfs put -L`) links are followed, as `cp -rL` does: what they point to is imported."""
+
+    files: tuple[Path, ...] = ()
+    links: tuple[Path, ...] = ()
+    folders: tuple[Path, ...] = ()
+    skipped: tuple[Path, ...] = ()
+
+    @classmethod
+    def of(cls, src: Path, follow: bool = False) -> Tree:
+        """The folder `src`'s tree; CpfsError if a part cannot be read (a dangling link, with `follow`)
+        or followed links loop. Before, an unreadable folder was left out without a word, and so was
+        every symlink to a folder, dangling links included."""
+        try:
+            return cls._walk(src, follow)
+        except OSError as e:
+            raise CpfsError(f"{e.filename}: {e.strerror}; nothing was stored") from None
+
+    @classmethod
+    def _walk(cls, src: Path, follow: bool) -> Tree:
+        files: list[Path] = []
+        links: list[Path] = []
+        folders: list[Path] = []
+        skipped: list[Path] = []
+        ids: dict[Path, tuple[int, int]] = {}      # folder walked -> its (device, inode)
+
+        def fail(e: OSError) -> None:
+            raise e
+        for root, dirs, names in os.walk(src, onerror=fail, followlinks=follow):
+            here = Path(root)
+            st = os.stat(here)
+            ids[here] = (st.st_dev, st.st_ino)
+            if here != src and ids[here] in {ids.get(p) for p in here.parents}:
+                raise CpfsError(f"{here}: a link back to a folder above it (a loop); nothing was stored")
+            if not dirs and not names:
+                folders.append(here)
+            for name in dirs + names:
+                p = here / name
+                st = os.lstat(p)
+                if follow and stat.S_ISLNK(st.st_mode):
+                    try:
+                        st = os.stat(p)
+                    except FileNotFoundError:
+                        raise CpfsError(f"{p}: a link to {os.readlink(p)}, which does not exist (-L follows "
+                                        f"links; without it they are kept as links); nothing was stored") from None
+                if stat.S_ISLNK(st.st_mode):
+                    links.append(p)
+                elif stat.S_ISREG(st.st_mode):
+                    files.append(p)
+                elif not stat.S_ISDIR(st.st_mode):
+                    skipped.append(p)
+        return cls(tuple(sorted(files)), tuple(sorted(links)), tuple(sorted(folders)), tuple(sorted(skipped)))
+
+    @property
+    def size(self) -> int:
+        """The bytes its files hold (a progress bar's total)."""
+        return sum(p.stat().st_size for p in self.files)
 
 
 class Importer:
@@ -112,39 +175,65 @@ class Importer:
                  f", {len(index.tensors)} tensors indexed" if index else "")
         return manifest
 
-    async def put(self, src: Path, dest: str | None = None) -> list[Manifest]:
-        """Import a file or, recursively, a folder; DEST defaults to SRC's base name at the root."""
+    async def put(self, src: Path, dest: str | None = None, follow: bool = False) -> list[Manifest]:
+        """Import a file or, recursively, a folder (see `Tree`; `follow`: links followed); DEST defaults
+        to SRC's base name at the root. A link given as SRC is followed. Files first, then the links
+        and empty folders: a link committed before its target would dangle in other mounts meanwhile."""
         src = Path(src)
         dest = normalize_path(dest or src.name)
-        if src.is_dir():
-            files = sorted(p for p in src.rglob("*") if p.is_file())
-            pairs = [(p, f"{dest}/{p.relative_to(src).as_posix()}") for p in files]
-        else:
-            pairs = [(src, dest)]
-        for _, d in pairs:
-            _check_showable(d)
-        await self._check_kinds([d for _, d in pairs])
-        return [await self.put_file(p, d) for p, d in pairs]
+        tree = Tree.of(src, follow) if src.is_dir() else Tree(files=(src,))
 
-    async def _check_kinds(self, dests: list[str]) -> None:
-        """Refuse a file where a folder is, or inside a file, before anything is stored: a mount shows
-        one of the two and hides the other (an audit's find: a put over a folder's name hid the folder
-        and every checkpoint in it)."""
+        def to(p: Path) -> str:
+            return dest if p == src else f"{dest}/{p.relative_to(src).as_posix()}"
+        targets = {p: os.readlink(p) for p in tree.links}
+        for p in tree.files + tree.links + tree.folders:
+            _check_showable(to(p), targets.get(p, ""))
+        new_folders = set(await self._check_kinds([to(p) for p in tree.files + tree.links],
+                                                  [to(p) for p in tree.folders]))
+        for p in tree.skipped:
+            log.warning("put: %s is no regular file, link or folder (a fifo, socket or device): not imported", p)
+        out = [await self.put_file(p, to(p)) for p in tree.files]
+        for p in tree.links:
+            out.append(await self._put_entry(p, to(p), symlink=targets[p]))
+        for p in tree.folders:
+            if to(p) in new_folders:
+                out.append(await self._put_entry(p, to(p)))
+        return out
+
+    async def _put_entry(self, src: Path, dest: str, symlink: str = "") -> Manifest:
+        """A symlink (its target as it reads) or else an empty folder: a version with no chunks, as a
+        mount's symlink or mkdir commits."""
+        st = os.lstat(src)
+        manifest = Manifest(path=dest, size=0, mtime_ns=st.st_mtime_ns,
+                            mode=0o777 if symlink else stat.S_IMODE(st.st_mode), chunk_size=self.cfg.chunk_size,
+                            chunks=(), version=0, symlink=symlink, directory=not symlink)
+        manifest = await self.catalog.commit(manifest)
+        log.info("put %s -> %s: %s", src, dest, f"a link to {symlink}" if symlink else "a folder")
+        return manifest
+
+    async def _check_kinds(self, dests: Sequence[str], folders: Sequence[str] = ()) -> list[str]:
+        """Refuse a file (or link) where a folder is, or anything inside a file, before anything is
+        stored: a mount shows one of the two and hides the other (an audit's find: a put over a folder's
+        name hid the folder and every checkpoint in it). Returns the `folders` (empty ones to make) that
+        are not folders yet."""
         existing = await self.catalog.load_all()
 
         def is_folder(p: str) -> bool:
             m = existing[p]
             return isinstance(m, Summary) and m.directory
-        folders = {d for p in existing for d in parent_dirs(p)} | {p for p in existing if is_folder(p)}
-        for d in dests:
-            if d in folders:
+        are_folders = {d for p in existing for d in parent_dirs(p)} | {p for p in existing if is_folder(p)}
+        for d in list(dests) + list(folders):
+            if d in are_folders and d not in folders:
                 raise IsADirectory(f"{d}: a folder; remove it first (cpfs rm -r) or put elsewhere; nothing was stored")
+            if d in folders and d in existing and d not in are_folders:
+                raise NotADirectory(f"{d}: a file, so no folder can go there; nothing was stored")
             for parent in parent_dirs(d):
                 if parent in existing and not is_folder(parent):
                     raise NotADirectory(f"{parent}: a file, so {d} cannot go inside it; nothing was stored")
+        return [d for d in folders if d not in are_folders]
 
 
-def _check_showable(path: str) -> None:
+def _check_showable(path: str, symlink: str = "") -> None:
     """Refuse a path no mount can show, before anything is stored: a name over NAME_MAX bytes (a
     mount's listing of its folder failed with EIO) or the control file's (it hid the mount's figures
     from `cpfs stats`), or a path too long for a manifest (`check_room`). The mount refuses them too."""
@@ -153,4 +242,4 @@ def _check_showable(path: str) -> None:
                         f"no mount could show it; nothing was stored")
     if path == "/" + stats.CONTROL_NAME:
         raise CpfsError(f"{path}: the name of a mount's control file (`cpfs stats`); nothing was stored")
-    check_room(path)
+    check_room(path, symlink)

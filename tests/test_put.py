@@ -366,6 +366,50 @@ def test_rm(tmp_path: Path, small_tree: Path) -> None:
     assert r.returncode == 1 and "no such file or folder" in r.stderr
 
 
+def test_put_of_a_folder_keeps_links_as_links_and_empty_folders(tmp_path: Path, mount) -> None:
+    """put of a folder imports what `cp -a` copies: symbolic links as links (a `latest -> step_2`
+    link, a Hugging Face snapshot's relative links to its blobs), empty folders; fifos and the like
+    are named and left out. Links were followed, and a link to a folder, a dangling link and an empty
+    folder were left out without a word. `-L` imports what the links point to, as `cp -rL` does."""
+    src = tmp_path / "run"
+    (src / "blobs").mkdir(parents=True)
+    (src / "step_2").mkdir()
+    (src / "empty").mkdir()
+    data = {"blobs/abc": os.urandom(300_000), "step_2/model.pt": os.urandom(200_000)}
+    for rel, d in data.items():
+        (src / rel).write_bytes(d)
+    (src / "step_2" / "weights.bin").symlink_to("../blobs/abc")
+    (src / "latest").symlink_to("step_2")
+    (src / "gone").symlink_to("no-such-file")
+    os.mkfifo(src / "pipe")
+    config = write_config(tmp_path / "cfg")
+    r = cpfs("put", str(src), "/run", config=config, text=True)
+    assert "put 2 file(s)" in r.stdout and "and 3 symbolic link(s)" in r.stdout and "1 empty folder(s)" in r.stdout
+    assert "  /run/latest -> step_2" in r.stdout and "  /run/empty/" in r.stdout
+    assert "pipe is no regular file, link or folder" in r.stderr, r.stderr
+    cpfs("put", str(src), "/run", config=config)             # again: the empty folder is there, no error
+    m = mount(config)
+    assert os.readlink(m.path / "run" / "latest") == "step_2"
+    assert os.readlink(m.path / "run" / "gone") == "no-such-file"
+    assert os.readlink(m.path / "run" / "step_2" / "weights.bin") == "../blobs/abc"
+    assert (m.path / "run" / "latest" / "weights.bin").read_bytes() == data["blobs/abc"]
+    assert (m.path / "run" / "latest" / "model.pt").read_bytes() == data["step_2/model.pt"]
+    assert (m.path / "run" / "empty").is_dir() and not list((m.path / "run" / "empty").iterdir())
+    assert not (m.path / "run" / "pipe").exists()
+
+    r = cpfs("put", "-L", str(src), "/followed", config=config, check=False, text=True)
+    assert r.returncode == 1 and "no-such-file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (src / "gone").unlink()
+    r = cpfs("put", "-L", str(src), "/followed", config=config, text=True)
+    assert "symbolic link" not in r.stdout
+    for rel, d in {"latest/model.pt": data["step_2/model.pt"], "latest/weights.bin": data["blobs/abc"],
+                   "step_2/weights.bin": data["blobs/abc"]}.items():
+        assert cpfs("cat", f"/followed/{rel}", config=config).stdout == d
+    (src / "step_2" / "loop").symlink_to("..")
+    r = cpfs("put", "-L", str(src), "/loop", config=config, check=False, text=True)
+    assert r.returncode == 1 and "a loop" in r.stderr and "/loop" not in cpfs("ls", "/", config=config, text=True).stdout
+
+
 def test_put_over_a_folder_or_inside_a_file_is_refused_and_stores_nothing(tmp_path: Path, small_tree: Path) -> None:
     """`put notes.txt /c/run1` where /c/run1 is a folder, or a folder under a file's name: refused with
     one line (exit 1), the tree as it was. Both once succeeded, and a mount then showed one of the two
