@@ -876,11 +876,15 @@ class Catalog:
         that finds one would see a version the writer was told did not commit. Where a copy may remain
         (a delete failed; a cancelled put may still land), void it with its twin (see the module doc).
         Older versions are untouched."""
+        # Its number is never used again, even where every copy was deleted: a copy that lands late (a
+        # put the store carries out after its timeout) or comes back (a store restored from a snapshot)
+        # would share its key, which readers take as immutable, with the next commit's different bytes:
+        # the same version read as two checkpoints, by replica (the rollback audit).
+        self._highest[ref.path_hash] = max(self._highest.get(ref.path_hash, 0), ref.version)
         left = await self._delete(targets, ref.key)
         may_remain = bool(left) or not isinstance(error, StoreError)
         if ref.state == "failed" or not may_remain:       # a failed version never counts anyway
             return
-        self._highest[ref.path_hash] = max(self._highest.get(ref.path_hash, 0), ref.version)   # never reused
         twin = dataclasses.replace(new, state="failed", reason=f"commit failed: {_why(error)}")
         key = VersionRef.key_of(ref.path_hash, ref.version, ref.writer, "failed")
         if not await self._void(key, twin.to_bytes()):

@@ -95,8 +95,42 @@ async def test_a_failed_manifest_commit_keeps_the_previous_version_on_every_stor
     assert {s: version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1")} == before
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
     wrappers[1].allow()
-    assert (await commit_bytes(cat, "/ckpt.pt", b"new bytes")).version == 2
+    assert (await commit_bytes(cat, "/ckpt.pt", b"new bytes")).version == 4     # 2 and 3 failed: never reused
     assert cat.statistics().voided == 0
+
+
+async def test_a_copy_of_a_failed_commit_that_comes_back_never_shares_a_key_with_a_later_one(tmp_path: Path) -> None:
+    """A failed commit's copy is taken back, then comes back (a put the store carried out late, a store
+    restored from a snapshot). The next commit took the same version number, so the same key, for
+    other bytes: readers got either checkpoint under one version, by replica (the rollback audit). The
+    number is never used again: the newer commit stays current, its copies alike."""
+    cat, wrappers = faulty_catalog(tmp_path)
+    await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")
+    wrappers[1].refuse("put", MANIFESTS)                  # s0 takes the new manifest, s1 refuses
+    release, reached = trio.Event(), trio.Event()
+    wrappers[0].hold("delete", MANIFESTS, until=release, reached=reached)
+    kept: dict[str, bytes] = {}
+
+    async def failing() -> None:
+        with pytest.raises(StoreError):
+            await commit_bytes(cat, "/ckpt.pt", b"the failed save")
+    async with trio.open_nursery() as n:
+        n.start_soon(failing)
+        await reached.wait()                              # the take-back is about to delete s0's copy
+        folder = tmp_path / "s0" / "manifests" / path_hash("/ckpt.pt")
+        kept = {p.name: p.read_bytes() for p in folder.iterdir()}
+        release.set()
+    wrappers[0].allow()
+    wrappers[1].allow()
+    retry = await commit_bytes(cat, "/ckpt.pt", b"the retried save")
+    for name, data in kept.items():                       # the failed copy comes back
+        (folder / name).write_bytes(data)
+    cur = await Catalog(make_pool(tmp_path)).get("/ckpt.pt")
+    assert cur.version == retry.version == 3 and cur.chunks == retry.chunks
+    copies = {s: {p.name: p.read_bytes() for p in (tmp_path / s / "manifests" / path_hash("/ckpt.pt")).iterdir()}
+              for s in ("s0", "s1")}
+    for name in copies["s0"].keys() & copies["s1"].keys():
+        assert copies["s0"][name] == copies["s1"][name], name
 
 
 async def test_a_failed_commit_whose_copy_cannot_be_taken_back_is_voided_by_its_twin(tmp_path: Path) -> None:
