@@ -22,6 +22,11 @@ their placement. Manifests are never rewritten to point at new stores: immutable
 immutable, and readers find the new copies through the placement.
 A copy of a failed commit that its twin voids (cpfs/catalog.py: its writer could not delete it) is
 reported as "voided", never repaired, and deleted by `--repair`, as the next commit of its path would.
+A version of a transaction whose record the listing did not find (one under way, or abandoned: its
+writer died before the commit point, or its commit failed) counts for no reader: it is counted as
+`uncommitted` and left alone, neither checked nor repaired. Checked, a daemon killed mid-rename left
+scrub reporting "missing manifest" copies of paths no one could see, and `--repair` copied them;
+`cpfs gc` deletes them once older than the grace.
 
 Bounded: one CapacityLimiter caps the chunks (or versions) being checked at once, each holding at most
 two copies in memory; every request goes through the pool (timeouts, retries).
@@ -86,6 +91,7 @@ class ScrubStats:
     block_checks_wrong: int = 0      # versions whose block checks of a chunk do not match its good copy
     vanished: int = 0                # versions or chunks deleted while the scrub ran (retired, gc)
     voided: int = 0                  # versions of failed commits their twin voids (--repair deletes them)
+    uncommitted: int = 0             # versions of transactions not committed (under way or abandoned): left to gc
     repaired: int = 0                # copies written (chunks and manifests)
     unrepaired: int = 0              # chunks and versions short of `replicas` good copies at the end
     bytes_read: int = 0
@@ -205,6 +211,10 @@ class Scrubber:
             groups = await self._in_scope(groups, scope)
             if not groups:      # a mistyped path: not a clean bill of health
                 raise NotFound(f"{', '.join(scope)}: no file or folder there, nothing scrubbed")
+        every = groups                  # the records and void markers of all their transactions are checked
+        pending = {id(v) for g in groups.values() for v in g if v.ref.txn and v.ref.txn not in committed}
+        groups = {k: kept for k, g in groups.items() if (kept := [v for v in g if id(v) not in pending])}
+        self._t.add("uncommitted", len(pending))
         self._t.add("manifests", len(groups))
         self._t.add("versions", sum(len(g) for g in groups.values()))
         self._t.phase = "manifests"
@@ -216,7 +226,7 @@ class Scrubber:
                 v.voided = v.ref.state != "failed" and v.ref.order in void
         await self._each([v for g in groups.values() for v in g], lambda v: self._check_version(v, repair))
         self._t.phase = "transactions"
-        await self._check_transactions(groups, committed, repair)
+        await self._check_transactions(every, committed, repair)
         self._t.phase = "chunks"
         self._t.add("chunks_total", len(self._chunks))
         await self._each(list(self._chunks.items()), lambda item: self._check_chunk(*item, repair))
@@ -632,6 +642,9 @@ def render(report: ScrubReport) -> str:
              f"{report.seconds:.1f}s ({mib / max(report.seconds, 1e-9):.1f} MiB/s)"]
     if s.stores_unlisted:
         lines.append(f"  {s.stores_unlisted} store(s) could not be listed: the scrub is incomplete")
+    if s.uncommitted:
+        lines.append(f"  {s.uncommitted} version(s) of transactions not committed (under way, or abandoned by a "
+                     f"writer that died or failed: no reader counts them; `cpfs gc` deletes them) left alone")
     figures = [("missing chunk copies", s.missing), ("corrupt chunk copies", s.corrupt),
                ("under-replicated chunks", s.under_replicated), ("lost chunks", s.lost),
                ("missing manifest copies", s.manifest_missing), ("corrupt manifest copies", s.manifest_corrupt),

@@ -17,6 +17,7 @@ import trio
 from cpfs.catalog import TXN_PREFIX, Catalog, VersionRef
 from cpfs.errors import NotFound, StoreError
 from cpfs.gc import GarbageCollector
+from cpfs.scrub import Scrubber, render
 from cpfs.store.faulty import FaultyStore, Rule
 
 from test_catalog import commit_bytes, faulty_catalog, make_pool
@@ -178,6 +179,38 @@ async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path
     assert report.refused == "" and report.abandoned == 2 * len(FILES) and txn_version_keys(crashed) == []
     assert await paths(crashed) == set(FILES)
     assert (await Catalog(make_pool(crashed, stores=3)).get("/run/step_1/optim.pt")).size == 15
+
+
+async def test_scrub_leaves_the_versions_of_a_transaction_that_never_committed_to_gc(tmp_path: Path) -> None:
+    """A writer killed mid-rename leaves versions of a transaction with no record, which no reader
+    counts: scrub reported their missing copies as NOT OK ("missing manifest" of a path no one could
+    see) and --repair copied them (the frameworks audit). It counts them as uncommitted and leaves them
+    to gc; the rest of the tree scrubs clean."""
+    cat, wrappers = faulty_catalog(tmp_path, stores=3)
+    for path, data in FILES.items():
+        await commit_bytes(cat, path, data)
+    release = trio.Event()
+    for w in wrappers:
+        w.hold("put", RECORDS, release)
+    crashed = tmp_path / "crashed"
+    async with trio.open_nursery() as n:
+        n.start_soon(moved, cat, "/run/step_1", "/run/final")
+        while not any(w.statistics().held for w in wrappers):
+            await trio.sleep(0.01)
+        crashed.mkdir()
+        for store in ("s0", "s1", "s2"):
+            shutil.copytree(tmp_path / store, crashed / store)
+        release.set()
+    dead = txn_version_keys(crashed)
+    one = next(p for p in crashed.glob("s*/" + dead[0]))
+    one.unlink()                                          # a copy the killed writer never wrote
+    pool = make_pool(crashed, stores=3)
+    assert (await Scrubber(pool, Catalog(pool)).run()).ok
+    report = await Scrubber(pool, Catalog(pool)).run(repair=True)
+    assert report.ok and report.stats.uncommitted == len(dead) == 2 * len(FILES), report.problems
+    assert report.stats.repaired == 0 and not one.exists()
+    assert report.stats.versions == len(FILES)            # the tree's own versions, checked
+    assert "left alone" in render(report)
 
 
 async def test_gc_removes_records_no_version_names(tmp_path: Path) -> None:
