@@ -226,3 +226,35 @@ def test_dcp_saves_and_loads_through_the_mount_and_frozen_layers_dedup(make_conf
     assert (local / DATA).stat().st_size == two["size"]
     cpfs("put", str(local / DATA), f"/imported/{DATA}", config=cfg)
     assert [c[1] for c in inspect(cfg, f"imported/{DATA}")["chunks"]] == [c[1] for c in two["chunks"]]
+
+
+@pytest.mark.mount
+def test_dcp_async_save_several_writer_threads_and_the_hugging_face_writer_through_the_mount(
+        make_config, tmp_path, mount):
+    """The other ways a training loop calls DCP, which the README names: `async_save` (the save runs
+    in a background thread while training goes on; its future's result() is the commit), a
+    FileSystemWriter of 4 threads (4 `.distcp` files written at once) and the Hugging Face storage
+    writer (safetensors shards and their index). Each loads back equal on a fresh mount."""
+    cfg = config(make_config, tmp_path, chunk_size="4MiB", cache="256MiB")
+    m = mount(cfg)
+    first, second = train_state(3, layers=6), train_state(4, layers=6)
+    flat = {f"layers.{i}.w": torch.randn(128, 256, generator=torch.Generator().manual_seed(i)) for i in range(5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pending = dcp.async_save(first, checkpoint_id=str(m.path / "run" / "async"))
+        dcp.save(second, storage_writer=dcp.FileSystemWriter(str(m.path / "run" / "threads"), thread_count=4))
+        pending.result()
+        dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(path=str(m.path / "run" / "hf")))
+    assert len(list((m.path / "run" / "threads").glob("*.distcp"))) == 4
+    m.stop()
+
+    m = mount(cfg, "fresh")
+    assert_same_state(load(first, m.path / "run" / "async"), first)
+    assert_same_state(load(second, m.path / "run" / "threads"), second)
+    got = {k: torch.empty_like(v) for k, v in flat.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, storage_reader=dcp.HuggingFaceStorageReader(path=str(m.path / "run" / "hf")))
+    assert_same_state(got, flat)
+    assert {p.name for p in (m.path / "run" / "hf").iterdir()} == {"model-00001-of-00001.safetensors",
+                                                                  "model.safetensors.index.json"}
