@@ -61,8 +61,8 @@ from typing import TypeVar
 
 import trio
 
-from .errors import (ChunkUnavailable, IsADirectory, ManifestError, ManifestGone, NoSuchObject, NotADirectory,
-                     NotFound, Stale, StoreError, StoreUnavailable)
+from .errors import (MALFORMED, ChunkUnavailable, IsADirectory, ManifestError, ManifestGone, NoSuchObject,
+                     NotADirectory, NotFound, Stale, StoreError, StoreUnavailable)
 from .manifest import SUMMARY_MAX, ChunkEntry, Manifest, Summary, path_hash
 from .placement import Layout, place
 from .pool import StorePool
@@ -454,6 +454,23 @@ class Catalog:
                 out.append(VersionInfo(r, None, r == cur, str(e)))
         return [i for i in out if i.summary is None or i.summary.path == path]
 
+    async def moved(self, txn: str) -> tuple[list[str], list[str]]:
+        """The paths a committed transaction wrote and removed, in pairs where it renamed (`cpfs log`
+        says where a renamed file went, and where one came from), from its record; ([], []) if no copy
+        can be read. A record from before the count of writes gives every path as written."""
+        key = txn_key(txn)
+        for name in (await self._list(f"{TXN_PREFIX}{txn}.")).get(key, []):
+            try:
+                doc = json.loads(await self.pool.get(name, key))
+                paths, written = doc["paths"], doc.get("written", len(doc["paths"]))
+                if isinstance(paths, list) and all(isinstance(p, str) for p in paths) and isinstance(written, int):
+                    return paths[:written], paths[written:]
+            except StoreError as e:
+                log.warning("transaction %s: record on store %r unreadable: %s", txn, name, e)
+            except MALFORMED:
+                log.warning("transaction %s: record on store %r is not one", txn, name)
+        return [], []
+
     async def get_version(self, path: str, version: int) -> Manifest:
         """One kept version (any state but deleted), e.g. for `cpfs cat --version`."""
         for info in await self.history(path):
@@ -660,7 +677,7 @@ class Catalog:
             return new, ref, refs, where, committed
 
         record = json.dumps({"txn": txn, "writer": self._writer, "host": HOST, "committed_ns": self._clock(),
-                             "paths": paths}).encode()
+                             "paths": paths, "written": len(writes)}).encode()
         record_stores: list[str] = []
         try:
             staged = await in_parallel(stage, plan, _FETCHES)

@@ -19,7 +19,7 @@ import trio
 
 from . import buffers, daemon, identity, roster, stats
 from .cache import ChunkCache
-from .catalog import Catalog, Unreadable
+from .catalog import Catalog, Unreadable, VersionRef
 from .config import GC_GRACE_FLOOR, Config, load_config, parse_duration
 from .errors import ConfigError, CpfsError, ManifestError, NotFound, StoreError, StoreUnavailable
 from .holds import Holds
@@ -268,7 +268,8 @@ async def cmd_log(config: Config, args: argparse.Namespace) -> int:
         m = i.summary
         rows.append({"version": i.ref.version, "time": m.committed_ns if m else None,
                      "size": m.size if m else None, "host": m.host if m else None, "writer": i.ref.writer,
-                     "state": i.ref.state if m else "unreadable", "reason": m.reason if m else i.error,
+                     "state": i.ref.state if m else "unreadable",
+                     "reason": (m.reason or await _moved(catalog, path, i.ref)) if m else i.error,
                      "current": i.current})
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -280,6 +281,20 @@ async def cmd_log(config: Config, args: argparse.Namespace) -> int:
         print(f"{'*' if r['current'] else ' '} {r['version']:>20}  {when:19}  {size:>14}  {r['state']:8}  "
               f"{r['host'] or '-'} / {r['writer'] or '-'}{'  ' + r['reason'] if r['reason'] else ''}")
     return 0
+
+
+async def _moved(catalog: Catalog, path: str, ref: VersionRef) -> str:
+    """Where a version committed by a rename went ("renamed to"), or came from ("renamed from"): a
+    removal that said only "deleted" looked like a rotation that took the checkpoint."""
+    if not ref.txn or ref.state not in ("ok", "deleted"):
+        return ""
+    written, removed = await catalog.moved(ref.txn)
+    mine, theirs = (removed, written) if ref.state == "deleted" else (written, removed)
+    if path not in mine or not theirs:
+        return ""
+    other = theirs[mine.index(path)] if len(mine) == len(theirs) else ", ".join(theirs[:3]) + \
+        (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+    return f"renamed {'to' if ref.state == 'deleted' else 'from'} {other}"
 
 
 async def cmd_restore(config: Config, args: argparse.Namespace) -> int:

@@ -211,6 +211,24 @@ def test_log_and_cat_version_show_what_a_mount_committed(make_config, tmp_path, 
     assert cat(cfg, "/notes.txt", "--version", str(rows[2]["version"])) == b"version 1\n"
 
 
+def test_log_says_where_a_renamed_file_went_and_came_from(make_config, tmp_path, mount):
+    """`cpfs log` of a renamed file's old name said only "deleted", which looked like a rotation that
+    took the checkpoint (the frameworks audit); it says where it went, and the new name where it came
+    from, for a file and for every file of a renamed folder."""
+    cfg = config(make_config, tmp_path)
+    m = mount(cfg)
+    (m.path / "tmp-checkpoint-1").mkdir()
+    for name in ("model.pt", "optimizer.pt"):
+        (m.path / "tmp-checkpoint-1" / name).write_bytes(name.encode())
+    os.rename(m.path / "tmp-checkpoint-1", m.path / "checkpoint-1")
+    (m.path / "latest.txt").write_text("1")
+    os.rename(m.path / "latest.txt", m.path / "LATEST")
+    for old, new in [("/tmp-checkpoint-1/optimizer.pt", "/checkpoint-1/optimizer.pt"), ("/latest.txt", "/LATEST")]:
+        assert [(r["state"], r["reason"]) for r in log(cfg, old)][0] == ("deleted", f"renamed to {new}")
+        assert [(r["state"], r["reason"]) for r in log(cfg, new)][0] == ("ok", f"renamed from {old}")
+    assert f"renamed to /LATEST" in cpfs("log", "/latest.txt", config=cfg, text=True).stdout
+
+
 def test_a_file_unlinked_while_open_stays_usable_through_its_handle(make_config, tmp_path, mount):
     """tempfile.TemporaryFile (create, unlink, then use) works, and a committed file removed while a
     reader holds it open still reads whole through that handle; neither name comes back."""
