@@ -148,10 +148,10 @@ async def test_a_failed_transaction_that_cannot_be_voided_counts_whole_or_not_at
     assert await paths(tmp_path, stores=2) == set(FILES) | {"/elsewhere.pt"}
 
 
-async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path: Path) -> None:
-    """The stores as a kill -9 between the versions and the record leaves them (a copy taken while the
-    record's put is held): the old tree, and commits to those paths go on; the dead transaction's
-    versions are never current and never retired by others; gc deletes them once past its grace."""
+async def crashed_before_the_record(tmp_path: Path) -> Path:
+    """FILES, then the folder renamed to /run/final: the three stores as a kill -9 between the
+    transaction's versions and its record leaves them (copied to the folder returned while the
+    record's put is held)."""
     cat, wrappers = faulty_catalog(tmp_path, stores=3)
     for path, data in FILES.items():
         await commit_bytes(cat, path, data)
@@ -167,6 +167,14 @@ async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path
         for store in ("s0", "s1", "s2"):
             shutil.copytree(tmp_path / store, crashed / store)
         release.set()
+    return crashed
+
+
+async def test_a_writer_that_dies_before_the_record_leaves_the_old_tree(tmp_path: Path) -> None:
+    """The stores as a kill -9 between the versions and the record leaves them (a copy taken while the
+    record's put is held): the old tree, and commits to those paths go on; the dead transaction's
+    versions are never current and never retired by others; gc deletes them once past its grace."""
+    crashed = await crashed_before_the_record(tmp_path)
     assert await paths(crashed) == set(FILES)
     after = Catalog(make_pool(crashed, stores=3, keep=1))
     again = await commit_bytes(after, "/run/step_1/model.pt", b"model bytes, saved again")
@@ -186,21 +194,7 @@ async def test_scrub_leaves_the_versions_of_a_transaction_that_never_committed_t
     counts: scrub reported their missing copies as NOT OK ("missing manifest" of a path no one could
     see) and --repair copied them (the frameworks audit). It counts them as uncommitted and leaves them
     to gc; the rest of the tree scrubs clean."""
-    cat, wrappers = faulty_catalog(tmp_path, stores=3)
-    for path, data in FILES.items():
-        await commit_bytes(cat, path, data)
-    release = trio.Event()
-    for w in wrappers:
-        w.hold("put", RECORDS, release)
-    crashed = tmp_path / "crashed"
-    async with trio.open_nursery() as n:
-        n.start_soon(moved, cat, "/run/step_1", "/run/final")
-        while not any(w.statistics().held for w in wrappers):
-            await trio.sleep(0.01)
-        crashed.mkdir()
-        for store in ("s0", "s1", "s2"):
-            shutil.copytree(tmp_path / store, crashed / store)
-        release.set()
+    crashed = await crashed_before_the_record(tmp_path)
     dead = txn_version_keys(crashed)
     one = next(p for p in crashed.glob("s*/" + dead[0]))
     one.unlink()                                          # a copy the killed writer never wrote
