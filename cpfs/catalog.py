@@ -185,31 +185,6 @@ def voided(refs: Iterable[VersionRef]) -> set[tuple[int, str]]:
     return {r.order for r in refs if r.state == "failed"}
 
 
-def beyond_keep(refs: list[VersionRef], committed: Container[str], keep: int, complete: bool,
-                replacing: tuple[int, str] | None = None) -> list[VersionRef]:
-    """The counted versions a commit of the path retires (see the module doc): ok ones beyond the
-    newest `keep`, failed and deleted ones older than those, failed ones beyond `keep` of them, and
-    the version `replacing` names. Not a failed one unless the listing was `complete` (it may be the
-    twin of a copy on a store it missed), nor one that is a twin (it stays while the copy it voids
-    may be listed). A transaction's version that does not count yet may be one still committing:
-    never retired."""
-    ok = failed = 0
-    twins = {r.order for r in refs if r.state != "failed" and r.order in voided(refs)}
-    out: list[VersionRef] = []
-    for r in sorted(counted(refs, committed), key=lambda r: r.order, reverse=True):
-        if r.order == replacing and r.state == "ok":
-            if r.order not in twins:
-                out.append(r)
-        elif ok >= keep or (r.state == "failed" and failed >= keep):
-            if r.order not in twins and (r.state != "failed" or complete):
-                out.append(r)
-        elif r.state == "ok":
-            ok += 1
-        elif r.state == "failed":
-            failed += 1
-    return out
-
-
 def counted(refs: list[VersionRef], committed: Container[str] = ()) -> list[VersionRef]:
     """The versions that count: those no twin voids, outside transactions not known to have committed."""
     void = voided(refs)
@@ -274,11 +249,6 @@ class Catalog:
         self.layouts = tuple(sorted({*self.layouts, *layouts},
                                     key=lambda la: (la.stores, la.replicas, la.write_quorum)))
         self._keep_versions = max(self._keep_versions, keep_versions)
-
-    @property
-    def keep_versions(self) -> int:
-        """Versions kept per path: this config's, or more if another writer's roster says so."""
-        return self._keep_versions
 
     def statistics(self) -> CatalogStats:
         return CatalogStats(listings=self._listings, fetched=self._fetched, summaries=self._read_summaries,
@@ -994,9 +964,23 @@ class Catalog:
         of a log retired the last whole version before them). Best effort: a leftover old version is
         only clutter, never current. A failed version is deleted only after a listing of every store:
         it may be the twin of a copy on a store this one missed, which would count again."""
+        keep = self._keep_versions
+        ok = failed = 0
         void = voided(refs)
         doomed = [r for r in refs if r.state != "failed" and r.order in void]
-        doomed += beyond_keep(refs, committed, self._keep_versions, where.complete, replacing)
+        twins = {r.order for r in doomed}
+        # A transaction's version that does not count yet may be one still committing: never retired.
+        for r in sorted(counted(refs, committed), key=lambda r: r.order, reverse=True):
+            if r.order == replacing and r.state == "ok":
+                if r.order not in twins:
+                    doomed.append(r)
+            elif ok >= keep or (r.state == "failed" and failed >= keep):
+                if r.order not in twins and (r.state != "failed" or where.complete):
+                    doomed.append(r)            # a twin stays while the copy it voids may be listed
+            elif r.state == "ok":
+                ok += 1
+            elif r.state == "failed":
+                failed += 1
         for r in doomed:
             await self._delete(where.get(r.key, []), r.key)
             self._parsed.pop(r.key, None)

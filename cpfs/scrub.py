@@ -22,9 +22,6 @@ their placement. Manifests are never rewritten to point at new stores: immutable
 immutable, and readers find the new copies through the placement.
 A copy of a failed commit that its twin voids (cpfs/catalog.py: its writer could not delete it) is
 reported as "voided", never repaired, and deleted by `--repair`, as the next commit of its path would.
-So is a version older than the kept ones (`catalog.beyond_keep`), as "retired": its retirement's delete
-failed on a store, or a store restored from a snapshot brought it back (the rollback audit: its chunks
-gc had freed, so scrub reported them lost, and repaired the manifest, until the path's next commit).
 A version of a transaction whose record the listing did not find (one under way, or abandoned: its
 writer died before the commit point, or its commit failed) counts for no reader: it is counted as
 `uncommitted` and left alone, neither checked nor repaired. Checked, a daemon killed mid-rename left
@@ -52,7 +49,7 @@ from typing import TypeVar
 import trio
 
 from . import chunk as chunkfmt
-from .catalog import PREFIX, TXN_PREFIX, Catalog, VersionRef, beyond_keep, current_of, txn_key, voided
+from .catalog import PREFIX, TXN_PREFIX, Catalog, VersionRef, current_of, txn_key, voided
 from .errors import CorruptChunk, ManifestError, NoSuchObject, NotFound, StoreError
 from .manifest import SUMMARY_MAX, Manifest, Summary, normalize_path, path_hash
 from .placement import place
@@ -94,7 +91,6 @@ class ScrubStats:
     block_checks_wrong: int = 0      # versions whose block checks of a chunk do not match its good copy
     vanished: int = 0                # versions or chunks deleted while the scrub ran (retired, gc)
     voided: int = 0                  # versions of failed commits their twin voids (--repair deletes them)
-    retired: int = 0                 # versions older than the kept ones, listed again (--repair deletes them)
     uncommitted: int = 0             # versions of transactions not committed (under way or abandoned): left to gc
     repaired: int = 0                # copies written (chunks and manifests)
     unrepaired: int = 0              # chunks and versions short of `replicas` good copies at the end
@@ -111,8 +107,7 @@ class ScrubStats:
 @dataclass(frozen=True)
 class Problem:
     what: str          # "chunk", "manifest" or "transaction"
-    kind: str          # "missing", "corrupt", "unreachable", "lost", "under-replicated", "voided", "retired",
-    #                    "repair failed"
+    kind: str          # "missing", "corrupt", "unreachable", "lost", "under-replicated", "voided", "repair failed"
     key: str
     store: str         # "" when about the object, not one copy
     where: str         # the file and version that name it (the first of them, for a shared chunk)
@@ -146,7 +141,6 @@ class _Version:
     path: str = ""                  # once known (from a summary or the manifest)
     current: bool = False
     voided: bool = False            # a failed commit's copy that its twin voids
-    retired: bool = False           # older than the kept versions: the next commit of its path deletes it
 
     @property
     def where(self) -> str:
@@ -224,15 +218,12 @@ class Scrubber:
         self._t.add("manifests", len(groups))
         self._t.add("versions", sum(len(g) for g in groups.values()))
         self._t.phase = "manifests"
-        complete = self._t.counts.get("stores_unlisted", 0) == 0
         for versions in groups.values():
             refs = [v.ref for v in versions]
             cur, void = current_of(refs, committed), voided(refs)
-            old = {r.key for r in beyond_keep(refs, committed, self._catalog.keep_versions, complete)}
             for v in versions:
                 v.current = v.ref == cur
                 v.voided = v.ref.state != "failed" and v.ref.order in void
-                v.retired = v.ref.key in old
         await self._each([v for g in groups.values() for v in g], lambda v: self._check_version(v, repair))
         self._t.phase = "transactions"
         await self._check_transactions(every, committed, repair)
@@ -370,8 +361,8 @@ class Scrubber:
     async def _check_version(self, v: _Version, repair: bool) -> None:
         """Every copy of one version key on its holders and its placement; collects its chunks."""
         key = v.ref.key
-        if v.voided or v.retired:
-            await self._delete_dropped(v, repair)
+        if v.voided:
+            await self._delete_voided(v, repair)
             return
         placement = place(v.ref.path_hash, self._pool.names, self._replicas)
         state: dict[str, str] = {}
@@ -442,21 +433,19 @@ class Scrubber:
                 if not named or named[-1] is not v:
                     named.append(v)
 
-    async def _delete_dropped(self, v: _Version, repair: bool) -> None:
-        """A voided copy, or a version older than the kept ones: it counts for nothing a reader needs
-        (a voided one for nothing at all, whose twin stays until a commit of the path sees the copy
-        gone); reported, and with repair deleted, as the next commit of its path would."""
-        kind = "voided" if v.voided else "retired"
-        self._t.add(kind)
+    async def _delete_voided(self, v: _Version, repair: bool) -> None:
+        """A voided copy counts for nothing and names nothing a reader needs: reported, and with
+        repair deleted (its twin stays until a commit of the path sees the copy gone)."""
+        self._t.add("voided")
         v.path = v.path or await self._path_of([v]) or ""
-        self._problem("manifest", kind, v.ref.key, "", v.where, f"listed on {', '.join(v.holders)}")
+        self._problem("manifest", "voided", v.ref.key, "", v.where, f"listed on {', '.join(v.holders)}")
         for name in v.holders if repair else ():
             try:
                 await self._pool.delete(name, v.ref.key)
             except StoreError as e:
                 self._problem("manifest", "repair failed", v.ref.key, name, v.where, str(e))
             else:
-                log.info("scrub: deleted the %s copy %s on store %r (%s)", kind, v.ref.key, name, v.where)
+                log.info("scrub: deleted the voided copy %s on store %r (%s)", v.ref.key, name, v.where)
 
     async def _repair_version(self, v: _Version, good: bytes, state: dict[str, str], placement: list[str]) -> None:
         # A version deleted since it was read (retired, or a commit that failed below quorum taking

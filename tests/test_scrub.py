@@ -389,31 +389,6 @@ async def test_a_voided_copy_is_reported_and_repair_deletes_it(tmp_path: Path) -
     assert (await Scrubber(pool, Catalog(pool)).run()).stats.voided == 0
 
 
-async def test_a_retired_version_listed_again_is_reported_and_repair_deletes_it(tmp_path: Path) -> None:
-    """A version older than the kept ones comes back (a store restored from a snapshot; a retirement
-    whose delete failed), and gc has freed its chunks: scrub reported them lost and repaired the
-    manifest until the path's next commit (the rollback audit). It is reported as retired, its chunks
-    are not judged, and --repair deletes it, as that commit would; the kept versions stay."""
-    cat, _ = faulty_catalog(tmp_path, stores=3, keep=2)
-    await commit_bytes(cat, "/ckpt.pt", b"version 1")
-    snapshot = {p: p.read_bytes() for p in tmp_path.glob("s*/manifests/*/*")}
-    kept = [await commit_bytes(cat, "/ckpt.pt", f"version {i}".encode()) for i in (2, 3)]
-    for p, data in snapshot.items():                    # v1 is back; its chunks are gone
-        p.write_bytes(data)
-    for p in tmp_path.glob("s*/chunks/*/*"):
-        if not any(p.name.startswith(c.digest) for m in kept for c in m.chunks):
-            p.unlink()
-    pool = make_pool(tmp_path, stores=3, keep=2)
-    report = await Scrubber(pool, Catalog(pool)).run()
-    assert report.ok and report.stats.retired == 1 and report.stats.lost == 0, report.problems
-    assert [(p.kind, p.where) for p in report.problems] == [("retired", "/ckpt.pt version 1")]
-    report = await Scrubber(pool, Catalog(pool)).run(repair=True)
-    assert report.ok and report.stats.repaired == 0
-    assert [i.ref.version for i in await Catalog(pool).history("/ckpt.pt")] == [3, 2]
-    assert (await Scrubber(pool, Catalog(pool)).run()).stats.retired == 0
-    assert (await Catalog(pool).get("/ckpt.pt")).chunks == kept[-1].chunks
-
-
 # ---- lost chunks, and PATH ------------------------------------------------------------------------
 
 def test_lost_chunk_names_its_file_and_stays_an_error(tmp_path: Path) -> None:
