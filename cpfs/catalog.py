@@ -700,7 +700,12 @@ class Catalog:
     async def _take_back_transaction(self, txn: str, record_stores: list[str],
                                      written: list[tuple[list[str], str]], error: BaseException) -> None:
         """A transaction failed: its record first (then no reader counts the rest), voided where a copy
-        may remain; then its versions, unless the record may count, so that it counts whole or not at all."""
+        may remain; then its versions, unless the record may count, so that it counts whole or not at all.
+        Their numbers are never used again (as `_take_back_version`'s: a copy that comes back with its
+        record must not share its path's version and writer with a later commit's other bytes)."""
+        for _, key in written:
+            if (r := VersionRef.parse(key)) is not None:
+                self._highest[r.path_hash] = max(self._highest.get(r.path_hash, 0), r.version)
         if record_stores:
             left = await self._delete(record_stores, txn_key(txn))
             if (left or not isinstance(error, StoreError)) and not await self._void(

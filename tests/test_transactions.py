@@ -207,6 +207,23 @@ async def test_scrub_leaves_the_versions_of_a_transaction_that_never_committed_t
     assert "left alone" in render(report)
 
 
+async def test_a_failed_transaction_s_numbers_are_never_used_again(tmp_path: Path) -> None:
+    """A rename of /a over /b fails at its record and is taken back; the next commit of /b took the
+    same number, so the same version and writer as the taken-back copy: if that copy and its record
+    came back (a store restored from a snapshot taken mid-commit), two versions shared one order and
+    which was current depended on the listing (the review of b3c70af). The next commit numbers above."""
+    cat, wrappers = faulty_catalog(tmp_path, stores=2)
+    await commit_bytes(cat, "/b", b"b v1")
+    a = await commit_bytes(cat, "/a", b"a v1")
+    wrappers[1].refuse("put", RECORDS)
+    with pytest.raises(StoreError):
+        await cat.transact([dataclasses.replace(a, path="/b")], [a])
+    wrappers[1].allow()
+    retry = await commit_bytes(cat, "/b", b"b v2, the retried save")
+    assert retry.version == 3                    # 2 went to the failed rename
+    assert (await Catalog(make_pool(tmp_path, stores=2)).get("/b")).chunks == retry.chunks
+
+
 async def test_gc_removes_records_no_version_names(tmp_path: Path) -> None:
     cat = Catalog(make_pool(tmp_path, stores=3, keep=1))
     for path, data in FILES.items():
