@@ -49,7 +49,7 @@ from typing import TypeVar
 import trio
 
 from . import chunk as chunkfmt
-from .catalog import PREFIX, TXN_PREFIX, Catalog, VersionRef, current_of, txn_key, voided
+from .catalog import PREFIX, TXN_PREFIX, Catalog, VersionRef, current_of, txn_key, txns_listed, voided
 from .errors import CorruptChunk, ManifestError, NoSuchObject, NotFound, StoreError
 from .manifest import SUMMARY_MAX, Manifest, Summary, normalize_path, path_hash
 from .placement import place
@@ -205,14 +205,20 @@ class Scrubber:
             scope = []                                # the root: everything
         self._t.add("stores", len(self._pool.names))
         self._t.phase = "listing"
-        committed = await self._catalog.committed_transactions()    # before the manifests (catalog doc)
+        # Before the manifests (catalog doc). A store that cannot list its records leaves the scrub
+        # incomplete, and then no version is taken for uncommitted: a committed rename's would be
+        # left unchecked, and the scrub said ok (the review of 4868400).
+        records, listed = await self._where(TXN_PREFIX, "transaction records")
+        found, void = txns_listed(records)
+        committed = found - void
         groups = await self._groups()
         if scope:
             groups = await self._in_scope(groups, scope)
             if not groups:      # a mistyped path: not a clean bill of health
                 raise NotFound(f"{', '.join(scope)}: no file or folder there, nothing scrubbed")
         every = groups                  # the records and void markers of all their transactions are checked
-        pending = {id(v) for g in groups.values() for v in g if v.ref.txn and v.ref.txn not in committed}
+        pending = {id(v) for g in groups.values() for v in g if v.ref.txn and v.ref.txn not in committed
+                   and len(listed) == len(self._pool.names)}
         groups = {k: kept for k, g in groups.items() if (kept := [v for v in g if id(v) not in pending])}
         self._t.add("uncommitted", len(pending))
         self._t.add("manifests", len(groups))

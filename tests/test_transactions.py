@@ -17,6 +17,7 @@ import trio
 from cpfs.catalog import TXN_PREFIX, Catalog, VersionRef
 from cpfs.errors import NotFound, StoreError
 from cpfs.gc import GarbageCollector
+from cpfs.manifest import path_hash
 from cpfs.scrub import Scrubber, render
 from cpfs.store.faulty import FaultyStore, Rule
 
@@ -222,6 +223,25 @@ async def test_a_failed_transaction_s_numbers_are_never_used_again(tmp_path: Pat
     retry = await commit_bytes(cat, "/b", b"b v2, the retried save")
     assert retry.version == 3                    # 2 went to the failed rename
     assert (await Catalog(make_pool(tmp_path, stores=2)).get("/b")).chunks == retry.chunks
+
+
+async def test_scrub_checks_every_version_when_a_store_cannot_list_the_records(tmp_path: Path) -> None:
+    """A store that fails to list `txns/` at the scrub's start: a committed rename's versions were
+    taken for uncommitted and left unchecked (a missing copy unrepaired), and the scrub said ok (the
+    review of 4868400). Now none is taken for uncommitted then, the copy is repaired, and the scrub
+    says it was incomplete."""
+    cat, wrappers = faulty_catalog(tmp_path, stores=3)
+    old = [await commit_bytes(cat, path, data) for path, data in FILES.items()]
+    await cat.transact([dataclasses.replace(m, path=m.path.replace("/step_1/", "/final/")) for m in old], old)
+    folder = next(p for p in tmp_path.glob("s*/manifests/" + path_hash("/run/final/model.pt")))
+    lost = sorted(folder.iterdir())
+    for p in lost:
+        p.unlink()                                        # one copy of a committed rename's version
+    for w in wrappers:
+        w.refuse("list", TXN_PREFIX)
+    report = await Scrubber(cat.pool, Catalog(cat.pool)).run(repair=True)
+    assert not report.ok and report.stats.stores_unlisted >= 3 and report.stats.uncommitted == 0
+    assert sorted(folder.iterdir()) == lost and report.stats.repaired >= 1
 
 
 async def test_gc_removes_records_no_version_names(tmp_path: Path) -> None:
