@@ -80,8 +80,7 @@ class Tree:
             ids[here] = (st.st_dev, st.st_ino)
             if here != src and ids[here] in {ids.get(p) for p in here.parents}:
                 raise CpfsError(f"{here}: a link back to a folder above it (a loop); nothing was stored")
-            if not dirs and not names:
-                folders.append(here)
+            kept = len(files) + len(links)
             for name in dirs + names:
                 p = here / name
                 st = os.lstat(p)
@@ -97,6 +96,8 @@ class Tree:
                     files.append(p)
                 elif not stat.S_ISDIR(st.st_mode):
                     skipped.append(p)
+            if not dirs and len(files) + len(links) == kept:
+                folders.append(here)           # nothing in it to import: made empty, as `cp -a` makes it
         return cls(tuple(sorted(files)), tuple(sorted(links)), tuple(sorted(folders)), tuple(sorted(skipped)))
 
     @property

@@ -382,9 +382,11 @@ def test_put_of_a_folder_keeps_links_as_links_and_empty_folders(tmp_path: Path, 
     (src / "latest").symlink_to("step_2")
     (src / "gone").symlink_to("no-such-file")
     os.mkfifo(src / "pipe")
+    (src / "sockets").mkdir()
+    os.mkfifo(src / "sockets" / "fifo")                  # a folder of nothing to import: made empty
     config = write_config(tmp_path / "cfg")
     r = cpfs("put", str(src), "/run", config=config, text=True)
-    assert "put 2 file(s)" in r.stdout and "and 3 symbolic link(s)" in r.stdout and "1 empty folder(s)" in r.stdout
+    assert "put 2 file(s)" in r.stdout and "and 3 symbolic link(s)" in r.stdout and "2 empty folder(s)" in r.stdout
     assert "  /run/latest -> step_2" in r.stdout and "  /run/empty/" in r.stdout
     assert "pipe is no regular file, link or folder" in r.stderr, r.stderr
     cpfs("put", str(src), "/run", config=config)             # again: the empty folder is there, no error
@@ -396,6 +398,7 @@ def test_put_of_a_folder_keeps_links_as_links_and_empty_folders(tmp_path: Path, 
     assert (m.path / "run" / "latest" / "model.pt").read_bytes() == data["step_2/model.pt"]
     assert (m.path / "run" / "empty").is_dir() and not list((m.path / "run" / "empty").iterdir())
     assert not (m.path / "run" / "pipe").exists()
+    assert (m.path / "run" / "sockets").is_dir() and not list((m.path / "run" / "sockets").iterdir())
 
     r = cpfs("put", "-L", str(src), "/followed", config=config, check=False, text=True)
     assert r.returncode == 1 and "no-such-file" in r.stderr and "Traceback" not in r.stderr, r.stderr
