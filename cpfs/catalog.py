@@ -373,7 +373,7 @@ class Catalog:
         where = await self._list(f"{PREFIX}{h}/")
         refs = [r for r in map(VersionRef.parse, where) if r is not None]
         if refs:
-            self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
+            self._seen(h, max(r.version for r in refs))
         self._note_voids(h, refs)
         committed = set()
         for txn in {r.txn for r in refs if r.txn} - self._txns_voided:     # voided for good: not listed again
@@ -534,7 +534,7 @@ class Catalog:
 
         async def one(h: str, refs: list[VersionRef]) -> None:
             nonlocal torn
-            self._highest[h] = max(self._highest.get(h, 0), max(r.version for r in refs))
+            self._seen(h, max(r.version for r in refs))
             self._note_voids(h, refs)
             cur = current_of(refs, committed)
             if cur is None or cur.state == "deleted":
@@ -705,7 +705,7 @@ class Catalog:
         record must not share its path's version and writer with a later commit's other bytes)."""
         for _, key in written:
             if (r := VersionRef.parse(key)) is not None:
-                self._highest[r.path_hash] = max(self._highest.get(r.path_hash, 0), r.version)
+                self._seen(r.path_hash, r.version)
         if record_stores:
             left = await self._delete(record_stores, txn_key(txn))
             if (left or not isinstance(error, StoreError)) and not await self._void(
@@ -820,6 +820,11 @@ class Catalog:
                                 f"not){other}, {layout.replicas - layout.write_quorum + 1} needed with write_quorum "
                                 f"{layout.write_quorum}{retired}")
 
+    def _seen(self, h: str, version: int) -> None:
+        """Version `version` of path hash `h` exists or existed (listed, committed, or taken back):
+        the path's next commit numbers above it, so no key is ever used for two contents."""
+        self._highest[h] = max(self._highest.get(h, 0), version)
+
     def _next(self, manifest: Manifest, refs: list[VersionRef], state: str, reason: str,
               txn: str = "") -> tuple[Manifest, VersionRef, list[str]]:
         """The path's next version: the manifest to store, its key, and the stores it goes to."""
@@ -834,7 +839,7 @@ class Catalog:
     def _took(self, new: Manifest, ref: VersionRef, held: list[str], where: dict[str, list[str]]) -> None:
         """A version committed: remember it (keys are immutable)."""
         self._commits += 1
-        self._highest[ref.path_hash] = max(self._highest.get(ref.path_hash, 0), ref.version)
+        self._seen(ref.path_hash, ref.version)
         self._parsed[ref.key] = new
         self._summaries[ref.key] = new.summary
         where[ref.key] = held
@@ -902,7 +907,7 @@ class Catalog:
         # put the store carries out after its timeout) or comes back (a store restored from a snapshot)
         # would share its key, which readers take as immutable, with the next commit's different bytes:
         # the same version read as two checkpoints, by replica (the rollback audit).
-        self._highest[ref.path_hash] = max(self._highest.get(ref.path_hash, 0), ref.version)
+        self._seen(ref.path_hash, ref.version)
         left = await self._delete(targets, ref.key)
         may_remain = bool(left) or not isinstance(error, StoreError)
         if ref.state == "failed" or not may_remain:       # a failed version never counts anyway

@@ -75,13 +75,13 @@ async def cmd_put(config: Config, args: argparse.Namespace) -> int:
     src = Path(args.src)
     if not src.exists():
         raise NotFound(f"{src}: no such file or folder")
-    total = Tree.of(src, args.dereference).size if src.is_dir() else src.stat().st_size
+    tree = Tree.of(src, args.dereference) if src.is_dir() else Tree(files=(src,))
     pool, catalog = await _open(config, writes=True)
     t0 = time.monotonic()
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not sys.stderr.isatty(),
+    with tqdm(total=tree.size, unit="B", unit_scale=True, unit_divisor=1024, disable=not sys.stderr.isatty(),
               desc="put", file=sys.stderr) as bar:
         importer = Importer(pool, catalog, progress=bar.update)
-        manifests = await importer.put(src, args.dest, follow=args.dereference)
+        manifests = await importer.put(src, args.dest, tree)
     s = importer.stats
     dt = time.monotonic() - t0
     ratio = "inf (no new chunk data)" if s.new_raw_bytes == 0 else f"{s.dedup_ratio:.2f}"

@@ -176,13 +176,15 @@ class Importer:
                  f", {len(index.tensors)} tensors indexed" if index else "")
         return manifest
 
-    async def put(self, src: Path, dest: str | None = None, follow: bool = False) -> list[Manifest]:
-        """Import a file or, recursively, a folder (see `Tree`; `follow`: links followed); DEST defaults
-        to SRC's base name at the root. A link given as SRC is followed. Files first, then the links
-        and empty folders: a link committed before its target would dangle in other mounts meanwhile."""
+    async def put(self, src: Path, dest: str | None = None, tree: Tree | None = None) -> list[Manifest]:
+        """Import a file or, recursively, a folder: `tree`, as `Tree.of(src)` gives it (`cpfs put -L`
+        passes the one with links followed). DEST defaults to SRC's base name at the root. A link given
+        as SRC is followed. Files first, then the links and empty folders: a link committed before its
+        target would dangle in other mounts meanwhile."""
         src = Path(src)
         dest = normalize_path(dest or src.name)
-        tree = Tree.of(src, follow) if src.is_dir() else Tree(files=(src,))
+        if tree is None:
+            tree = Tree.of(src) if src.is_dir() else Tree(files=(src,))
 
         def to(p: Path) -> str:
             return dest if p == src else f"{dest}/{p.relative_to(src).as_posix()}"

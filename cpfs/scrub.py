@@ -217,8 +217,8 @@ class Scrubber:
             if not groups:      # a mistyped path: not a clean bill of health
                 raise NotFound(f"{', '.join(scope)}: no file or folder there, nothing scrubbed")
         every = groups                  # the records and void markers of all their transactions are checked
-        pending = {id(v) for g in groups.values() for v in g if v.ref.txn and v.ref.txn not in committed
-                   and len(listed) == len(self._pool.names)}
+        pending = {id(v) for g in groups.values() for v in g if v.ref.txn and v.ref.txn not in committed} \
+            if len(listed) == len(self._pool.names) else set()
         groups = {k: kept for k, g in groups.items() if (kept := [v for v in g if id(v) not in pending])}
         self._t.add("uncommitted", len(pending))
         self._t.add("manifests", len(groups))
