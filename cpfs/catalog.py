@@ -6,11 +6,13 @@ Invariants, and why:
 - Nothing is overwritten. A commit writes a new key after every chunk it names is durable; one that
   fails below `write_quorum` deletes only its own new key. (Overwriting one key per path in place lost
   the previous version on every store a failed commit had reached.)
-- A failed commit's copy that cannot be deleted (a store took the put, then refuses the delete; or a
-  cancelled put may still land) is voided: its writer writes a "failed" key of the same version and
-  writer (its twin) to every store that takes it, and never uses that version again. A twin voids its
-  ok or deleted key wherever they are listed, so the writer, told that its commit failed, is right
-  on every mount. Only if no store takes the twin either can the copy count (logged as an error);
+- A failed commit is voided before its copies are deleted: its writer writes a "failed" key of the
+  same version and writer (its twin) to every store that takes it, and never uses that version again.
+  A twin voids its ok or deleted key wherever they are listed, so the writer, told that its commit
+  failed, is right on every mount, also where a copy stays (a store took the put, then refuses the
+  delete; a cancelled put may still land) or is put back after its delete (`cpfs scrub --repair`
+  copying the copy it listed a moment before). Only if no store takes the twin either, and a copy
+  may remain, can the copy count (logged as an error);
   the writer's next commit, of any path, tries the twin again, and a mount every VOID_RETRY seconds;
   cpfs/voidjournal.py keeps the twin on local disk, so that the next mount or commit of the same stores
   on that host tries it if the writer is gone by then.
@@ -33,9 +35,9 @@ their versions is written under a key that names the transaction,
 `<version>.<writer>.<state>.<txn>.json`, and counts for nothing until the transaction's record
 `txns/<txn>.json` exists on some store and its void marker `txns/<txn>.failed.json` on none; the
 record is written only once every version is durable (the commit point). So a crash before it leaves
-every path as it was, and after it every path changed. A transaction that fails deletes its record;
-where a copy may remain it writes the void marker, and if that fails too, it keeps its versions, so
-the transaction counts whole or not at all.
+every path as it was, and after it every path changed. A transaction that fails writes its void marker,
+then deletes its record; if no store takes the marker and a copy of the record may remain, it keeps
+its versions, so the transaction counts whole or not at all.
 Invariant: a full listing reads `txns/` *before* `manifests/`, so a transaction it finds committed had
 all its versions written before its manifests were listed: a listing shows every path of a transaction
 old or every path new, never a mix. A transaction's versions are taken back (deleted) only by the
@@ -162,7 +164,7 @@ class CatalogStats:
     failed_commits: int     # commits that did not reach write_quorum
     retired: int            # old versions deleted
     transactions: int       # multi-path commits (folder renames, hard links) committed here
-    voided: int             # failed commits whose copy could not be deleted, voided by a twin or marker
+    voided: int             # failed commits and transactions voided by a twin or marker
     unvoided: int           # ... whose twin or marker no store took yet: they may count (retried)
     remembered: int = 0     # transactions remembered as committed or voided for good (those a version names)
 
@@ -699,18 +701,21 @@ class Catalog:
 
     async def _take_back_transaction(self, txn: str, record_stores: list[str],
                                      written: list[tuple[list[str], str]], error: BaseException) -> None:
-        """A transaction failed: its record first (then no reader counts the rest), voided where a copy
-        may remain; then its versions, unless the record may count, so that it counts whole or not at all.
+        """A transaction failed: its record first (voided, then deleted: then no reader counts the rest);
+        then its versions, unless the record may count, so that it counts whole or not at all.
         Their numbers are never used again (as `_take_back_version`'s: a copy that comes back with its
         record must not share its path's version and writer with a later commit's other bytes)."""
         for _, key in written:
             if (r := VersionRef.parse(key)) is not None:
                 self._seen(r.path_hash, r.version)
         if record_stores:
+            # The marker first, as `_take_back_version` its twin: a record copied back after its delete
+            # (a scrub's repair) must not make the failed transaction count.
+            marker = json.dumps({"txn": txn, "writer": self._writer, "host": HOST, "failed": _why(error)}).encode()
+            marked = await self._void(txn_key(txn, void=True), marker)
             left = await self._delete(record_stores, txn_key(txn))
-            if (left or not isinstance(error, StoreError)) and not await self._void(
-                    txn_key(txn, void=True), json.dumps({"txn": txn, "writer": self._writer, "host": HOST,
-                                                         "failed": _why(error)}).encode()):
+            if not marked and (left or not isinstance(error, StoreError)):
+                await self._pend(txn_key(txn, void=True), marker)
                 log.error("transaction %s failed, and its record may remain on %s, which no store let us void: "
                           "its versions are kept, so another mount may count it (whole)", txn, left or record_stores)
                 return
@@ -908,13 +913,18 @@ class Catalog:
         # would share its key, which readers take as immutable, with the next commit's different bytes:
         # the same version read as two checkpoints, by replica (the rollback audit).
         self._seen(ref.path_hash, ref.version)
-        left = await self._delete(targets, ref.key)
-        may_remain = bool(left) or not isinstance(error, StoreError)
-        if ref.state == "failed" or not may_remain:       # a failed version never counts anyway
+        if ref.state == "failed":                         # a failed version never counts anyway
+            await self._delete(targets, ref.key)
             return
-        twin = dataclasses.replace(new, state="failed", reason=f"commit failed: {_why(error)}")
+        # The twin first, and also where every delete will succeed: a copy can be put back after it
+        # (`cpfs scrub --repair` copying the one it listed a moment before, a put the store carries out
+        # late), and without a twin that failed save became the path's current version.
+        twin = dataclasses.replace(new, state="failed", reason=f"commit failed: {_why(error)}").to_bytes()
         key = VersionRef.key_of(ref.path_hash, ref.version, ref.writer, "failed")
-        if not await self._void(key, twin.to_bytes()):
+        twinned = await self._void(key, twin)
+        left = await self._delete(targets, ref.key)
+        if not twinned and (left or not isinstance(error, StoreError)):
+            await self._pend(key, twin)
             log.error("%s: version %d failed to commit, and a copy may remain on %s, which no store let us "
                       "void: another mount may count it", new.path, ref.version, left or targets)
 
@@ -927,13 +937,10 @@ class Catalog:
 
     async def _void(self, key: str, data: bytes, retry: bool = False) -> bool:
         """Put a twin or a void marker on every store that takes it; whether one did. If none did,
-        the next commit tries again (`retry_voids`), in this process or, from its journal, a later one."""
+        the caller says whether it must be tried again (`_pend`)."""
         try:
             await self.pool.put_quorum(self.pool.names, key, data, 1)
         except StoreError:
-            if key not in self._unvoided:
-                self._unvoided[key] = data
-                await self._journal.add(key, data)
             return False
         if self._unvoided.pop(key, None) is not None:
             await self._journal.remove(key)
@@ -942,6 +949,13 @@ class Catalog:
         self._voided += 1
         log.warning("voided a failed commit with %s%s", key, " on a later try" if retry else "")
         return True
+
+    async def _pend(self, key: str, data: bytes) -> None:
+        """A twin or void marker no store took, where a copy may remain: the next commit tries it again
+        (`retry_voids`), in this process or, from its journal, a later one."""
+        if key not in self._unvoided:
+            self._unvoided[key] = data
+            await self._journal.add(key, data)
 
     async def retry_voids(self) -> None:
         """The twins and void markers no store took yet, again: before each commit (a store that refused

@@ -20,8 +20,9 @@ while a chunk is still short (a listed store was removed from the config or repl
 lists fewer stores than `replicas`), puts copies on its current placement; manifest copies go to
 their placement. Manifests are never rewritten to point at new stores: immutable versions stay
 immutable, and readers find the new copies through the placement.
-A copy of a failed commit that its twin voids (cpfs/catalog.py: its writer could not delete it) is
-reported as "voided", never repaired, and deleted by `--repair`, as the next commit of its path would.
+A copy of a failed commit that its twin voids (cpfs/catalog.py: its writer could not delete it, or a
+repair put it back) is reported as "voided", never repaired, and deleted by `--repair`, as the next
+commit of its path would.
 A version of a transaction whose record the listing did not find (one under way, or abandoned: its
 writer died before the commit point, or its commit failed) counts for no reader: it is counted as
 `uncommitted` and left alone, neither checked nor repaired. Checked, a daemon killed mid-rename left

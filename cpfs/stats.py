@@ -149,7 +149,7 @@ def render(now: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                          f"those versions' chunks once newer commits retired them (the log names them)")
     if cat := now.get("catalog"):
         lines.append(f"commits: {cat['commits']} ({cat['failed_commits']} failed, {cat['voided']} of them voided "
-                     f"where a copy stayed), {cat['transactions']} transactions")
+                     f"by a twin or marker), {cat['transactions']} transactions")
         if cat.get("unvoided"):
             lines.append(f"WARNING: {cat['unvoided']} failed commits may count as current: no store took the key "
                          f"that voids them yet (tried again every {VOID_RETRY:g} s; the mount's log names them)")

@@ -92,11 +92,13 @@ async def test_a_failed_manifest_commit_keeps_the_previous_version_on_every_stor
         await commit_bytes(cat, "/ckpt.pt", b"new bytes")
     with pytest.raises(StoreError):    # a chmod/touch-like rewrite takes the same path
         await cat.commit(dataclasses.replace(v1, mode=0o600))
-    assert {s: version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1")} == before
+    twins = ["00000000000000000002.ab.failed.json", "00000000000000000003.ab.failed.json"]
+    assert {s: version_files(tmp_path, s, "/ckpt.pt") for s in ("s0", "s1")} \
+        == {"s0": sorted(before["s0"] + twins), "s1": before["s1"]}    # each failed one voided (s1 refused)
     assert (await Catalog(make_pool(tmp_path)).get("/ckpt.pt")).chunks == v1.chunks
     wrappers[1].allow()
     assert (await commit_bytes(cat, "/ckpt.pt", b"new bytes")).version == 4     # 2 and 3 failed: never reused
-    assert cat.statistics().voided == 0
+    assert cat.statistics().voided == 2
 
 
 async def test_a_copy_of_a_failed_commit_that_comes_back_never_shares_a_key_with_a_later_one(tmp_path: Path) -> None:

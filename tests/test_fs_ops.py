@@ -510,9 +510,10 @@ async def test_a_save_below_a_folder_being_renamed_lands_under_its_new_name(tmp_
 
 async def test_a_mount_that_listed_a_failed_commit_before_it_was_voided_goes_back(tmp_path: Path) -> None:
     """Another mount's commit of /f fails below quorum, and the store that took its manifest will not
-    delete it. In the moment before its writer voids that copy (cpfs/catalog.py: its failed twin), this
-    mount opens the file and shows that version. Once the twin is there, it goes back to the version
-    before, although that one is older: the writer was told its save failed."""
+    delete it. In the moment before its writer voids that copy (cpfs/catalog.py: its failed twin, put
+    before the deletes and held here), this mount opens the file and shows that version. Once the twin
+    is there, it goes back to the version before, although that one is older: the writer was told its
+    save failed."""
     ctx = pyfuse3.RequestContext()
     async with operations(tmp_path) as (ops, _):
         await new_file(ops, pyfuse3.ROOT_INODE, b"f", b"version 1")
@@ -523,7 +524,8 @@ async def test_a_mount_that_listed_a_failed_commit_before_it_was_voided_goes_bac
         for w in wrappers:
             if w.name != first:
                 w.refuse("put", "*.ok.json")                          # below quorum
-            w.hold("delete", "manifests/*", release, refuse=True)     # held, then refused
+            w.hold("put", "*.failed.json", release)                   # its twin, held
+            w.refuse("delete", "manifests/*")
         writer = Catalog(StorePool(config, stores=wrappers), writer="bb")
 
         async def read(ino: int) -> bytes:

@@ -389,6 +389,51 @@ async def test_a_voided_copy_is_reported_and_repair_deletes_it(tmp_path: Path) -
     assert (await Scrubber(pool, Catalog(pool)).run()).stats.voided == 0
 
 
+async def test_a_repair_racing_a_failing_commit_does_not_make_it_current(tmp_path: Path) -> None:
+    """Scrub lists a commit's copy on s0 while the commit is failing (s1 refuses it), and puts it on
+    s1 after the writer took it back there and on s0. The take-back wrote no twin where every delete
+    succeeded, so the copy on s1 counted: a save its writer was told failed became current (a review's
+    find). Now the twin comes first, whatever the deletes do."""
+    cat, wrappers = faulty_catalog(tmp_path, stores=2, keep=3)
+    good = await commit_bytes(cat, "/ckpt.pt", b"good")
+    release, reached, failed, scrub_put = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+    wrappers[1].hold("put", MANIFESTS, until=release, refuse=True, reached=reached)
+
+    def late_on_s1(store):
+        wrapped = FaultyStore(store)
+        if store.name == "s1":
+            wrapped.hold("put", MANIFESTS, until=failed, reached=scrub_put)    # lands after the take-back
+        return wrapped
+
+    async def failing() -> None:
+        with pytest.raises(StoreError):
+            await commit_bytes(cat, "/ckpt.pt", b"the failed save")
+        failed.set()
+
+    async def scrub() -> None:
+        pool = make_pool(tmp_path, stores=2, keep=3, wrap=late_on_s1)
+        await Scrubber(pool, Catalog(pool)).run(repair=True)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(failing)
+        await reached.wait()
+        while "00000000000000000002.ab.ok.json" not in version_files(tmp_path, "s0", "/ckpt.pt"):
+            await trio.sleep(0.01)                   # s0's put may land after s1's is held
+        n.start_soon(scrub)
+        with trio.fail_after(30):
+            await scrub_put.wait()
+        release.set()
+    assert "00000000000000000002.ab.ok.json" in version_files(tmp_path, "s1", "/ckpt.pt")   # the race was run
+    other = Catalog(make_pool(tmp_path, stores=2))
+    assert (await other.get("/ckpt.pt")).chunks == good.chunks
+    assert [(i.ref.version, i.ref.state, i.current) for i in await other.history("/ckpt.pt")][:2] \
+        == [(2, "failed", False), (1, "ok", True)]
+    pool = make_pool(tmp_path, stores=2)
+    again = await Scrubber(pool, Catalog(pool)).run(repair=True)
+    assert again.stats.voided == 1 and again.ok
+    assert (await Catalog(pool).get("/ckpt.pt")).chunks == good.chunks
+
+
 # ---- lost chunks, and PATH ------------------------------------------------------------------------
 
 def test_lost_chunk_names_its_file_and_stays_an_error(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def test_render_shows_rates_and_the_figures_a_layer_adds() -> None:
     assert "batches" not in render(now, before) and "pages the kernel lost" not in render(now, before)
     assert "commits:" not in render(now)
     now["catalog"] = {"commits": 5, "failed_commits": 2, "voided": 1, "unvoided": 0, "transactions": 1}
-    assert "commits: 5 (2 failed, 1 of them voided where a copy stayed), 1 transactions" in render(now)
+    assert "commits: 5 (2 failed, 1 of them voided by a twin or marker), 1 transactions" in render(now)
     assert "WARNING" not in render(now)
     now["catalog"]["unvoided"] = 1                       # a failed save that may count: said loudly
     assert "WARNING: 1 failed commits may count as current" in render(now)

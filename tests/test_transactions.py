@@ -149,6 +149,47 @@ async def test_a_failed_transaction_that_cannot_be_voided_counts_whole_or_not_at
     assert await paths(tmp_path, stores=2) == set(FILES) | {"/elsewhere.pt"}
 
 
+async def test_a_record_a_repair_puts_back_does_not_make_a_failed_transaction_count(tmp_path: Path) -> None:
+    """A scrub lists the record of a failing move on s0 and puts it on s1 after the writer deleted it
+    on both (s1 refused it: below quorum); s0 would not delete the move's versions, which count for
+    nothing without a record. The take-back wrote no void marker where the record's deletes succeeded,
+    so the record put back made the failed move count: the new tree, though the rename got EIO."""
+    cat, (s0, s1) = faulty_catalog(tmp_path, stores=2)
+    for path, data in FILES.items():
+        await commit_bytes(cat, path, data)
+    release, reached, failed, scrub_put = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+    s1.hold("put", RECORDS, until=release, refuse=True, reached=reached)
+    s0.refuse("delete", lambda key: key.startswith("manifests/"))
+
+    def late_on_s1(store):
+        wrapped = FaultyStore(store)
+        if store.name == "s1":
+            wrapped.hold("put", RECORDS, until=failed, reached=scrub_put)    # lands after the take-back
+        return wrapped
+
+    async def failing() -> None:
+        with pytest.raises(StoreError):
+            await moved(cat, "/run/step_1", "/run/final")
+        failed.set()
+
+    async def scrub() -> None:
+        pool = make_pool(tmp_path, stores=2, wrap=late_on_s1)
+        await Scrubber(pool, Catalog(pool)).run(repair=True)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(failing)
+        await reached.wait()
+        while not list(tmp_path.glob("s0/txns/*.json")):
+            await trio.sleep(0.01)                   # s0's put may land after s1's is held
+        n.start_soon(scrub)
+        with trio.fail_after(30):
+            await scrub_put.wait()
+        release.set()
+    assert [p.name for p in tmp_path.glob("s1/txns/*.json") if ".failed" not in p.name]    # the race was run
+    assert len(txn_version_keys(tmp_path)) >= len(FILES)
+    assert await paths(tmp_path, stores=2) == set(FILES)
+
+
 async def crashed_before_the_record(tmp_path: Path) -> Path:
     """FILES, then the folder renamed to /run/final: the three stores as a kill -9 between the
     transaction's versions and its record leaves them (copied to the folder returned while the
