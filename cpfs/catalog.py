@@ -1,7 +1,8 @@
 """Manifests on the stores: every commit a new immutable version, with history, removal and restore.
 
 Layout: `manifests/<path hash>/<version:020d>.<writer>.<state>.json`, on the `replicas` stores that
-placement picks for the path hash, so one listing of one folder finds every version of a path.
+placement picks for the path hash (a spare standing in for one marked down: cpfs/placement.py), so one
+listing of one folder finds every version of a path.
 Invariants, and why:
 - Nothing is overwritten. A commit writes a new key after every chunk it names is durable; one that
   fails below `write_quorum` deletes only its own new key. (Overwriting one key per path in place lost
@@ -240,7 +241,7 @@ class Catalog:
         self._unvoided = self._journal.pending()  # twin or marker key -> bytes: no store took it yet
         self._folders_seen: dict[str, float] = {} # folder -> when a commit below it found it no file
         self._names = frozenset(pool.names)
-        self._own = Layout(tuple(sorted(pool.names)), self._cfg.replicas, self._cfg.write_quorum)
+        self._own = pool.layout
         self.layouts: tuple[Layout, ...] = (self._own,)     # where versions may sit (take_roster), sorted
         self._keep_versions = self._cfg.keep_versions
 
@@ -249,7 +250,7 @@ class Catalog:
         a writer's catalog takes them at startup): listings must reach each layout's stores, and
         commits retire versions only beyond the most any writer keeps."""
         self.layouts = tuple(sorted({*self.layouts, *layouts},
-                                    key=lambda la: (la.stores, la.replicas, la.write_quorum)))
+                                    key=lambda la: (la.stores, la.replicas, la.write_quorum, la.spares)))
         self._keep_versions = max(self._keep_versions, keep_versions)
 
     def statistics(self) -> CatalogStats:
@@ -683,7 +684,7 @@ class Catalog:
         record_stores: list[str] = []
         try:
             staged = await in_parallel(stage, plan, _FETCHES)
-            record_stores = place(txn, self.pool.names, self._cfg.replicas)
+            record_stores = self.pool.targets(txn)
             await self.pool.put_quorum(record_stores, txn_key(txn), record, self._cfg.write_quorum)   # commit point
         except BaseException as e:
             self._failed += 1
@@ -775,8 +776,8 @@ class Catalog:
 
     async def _listed_refs(self, path: str) -> tuple[list[VersionRef], Listing, set[str]]:
         """The path's versions, for a commit: its version is one above the highest listed. A version
-        lands on write_quorum of the path's `replicas` placement stores, so the listing must reach
-        replicas - write_quorum + 1 of them to meet every one (with the default write_quorum, one).
+        lands on write_quorum of the path's placement stores and spares (`Layout.holders`), so the
+        listing must reach holders - write_quorum + 1 of them to meet every one (`listed_enough`).
         With write_quorum 1 of 2, a save listed on the one store that missed the newest versions took a
         lower number than they had, and once the other store was back, the older save was current again
         (an audit's find): such a commit now fails (EIO) instead."""
@@ -790,9 +791,9 @@ class Catalog:
 
     def listed_enough(self, path: str, missed: Container[str]) -> bool:
         """Whether a listing that the stores `missed` did not answer meets every version of `path`: a
-        version lands on write_quorum of the path's `replicas` placement stores, so the listing must
-        reach replicas - write_quorum + 1 of them (with the default write_quorum, one), under every
-        layout a writer of these stores used (`layouts`)."""
+        version lands on write_quorum of the path's placement stores and spares, so the listing must
+        reach holders - write_quorum + 1 of them (`Layout.reached`: with the defaults, 1 of 2 stores,
+        2 of 3 with a spare), under every layout a writer of these stores used (`layouts`)."""
         return self._short_layout(path, missed) is None
 
     def _short_layout(self, path: str, missed: Container[str]) -> Layout | None:
@@ -822,7 +823,7 @@ class Catalog:
             f"`cpfs gc --forget-store NAME` retires it")
         return StoreUnavailable(out[0], f"cannot list the versions of {path} on enough stores {why}: "
                                 f"{len(placement) - len(out)} of its {len(placement)} answered ({', '.join(out)} did "
-                                f"not){other}, {layout.replicas - layout.write_quorum + 1} needed with write_quorum "
+                                f"not){other}, {layout.needed(path_hash(path))} needed with write_quorum "
                                 f"{layout.write_quorum}{retired}")
 
     def _seen(self, h: str, version: int) -> None:
@@ -831,15 +832,16 @@ class Catalog:
         self._highest[h] = max(self._highest.get(h, 0), version)
 
     def _next(self, manifest: Manifest, refs: list[VersionRef], state: str, reason: str,
-              txn: str = "") -> tuple[Manifest, VersionRef, list[str]]:
-        """The path's next version: the manifest to store, its key, and the stores it goes to."""
+              txn: str = "", avoid: Container[str] = ()) -> tuple[Manifest, VersionRef, list[str]]:
+        """The path's next version: the manifest to store, its key, and the stores it goes to (a spare
+        for one marked down or in `avoid`)."""
         h = path_hash(manifest.path)
         version = max([r.version for r in refs] + [self._highest.get(h, 0)]) + 1
         new = dataclasses.replace(manifest, version=version, writer=self._writer, host=HOST,
                                   committed_ns=self._clock(), state=state, reason=reason)
         ref = VersionRef(h, version, self._writer, state, VersionRef.key_of(h, version, self._writer, state, txn),
                          txn)
-        return new, ref, place(h, self.pool.names, self._cfg.replicas)
+        return new, ref, self.pool.targets(h, avoid)
 
     def _took(self, new: Manifest, ref: VersionRef, held: list[str], where: dict[str, list[str]]) -> None:
         """A version committed: remember it (keys are immutable)."""
@@ -890,14 +892,23 @@ class Catalog:
         refs, where, committed = await self._listed_refs(manifest.path)
         if state == "ok":
             _not_removed_since(manifest.path, current_of(refs, committed), seen)
-        new, ref, targets = self._next(manifest, refs, state, reason)
-        try:
-            held = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
-        except BaseException as e:
-            self._failed += 1
-            with trio.CancelScope(shield=True):
-                await self._take_back_version(new, ref, targets, e)
-            raise
+        avoid: list[str] = []
+        for again in (False, True):
+            new, ref, targets = self._next(manifest, refs, state, reason, avoid=avoid)
+            try:
+                held = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
+                break
+            except BaseException as e:
+                self._failed += 1
+                with trio.CancelScope(shield=True):
+                    await self._take_back_version(new, ref, targets, e)
+                # A target went down during the put: once more, under the next number (this one is
+                # voided), a spare standing in for it (cpfs/placement.py: Layout).
+                avoid = self.pool.failed_transiently(e)
+                if again or not isinstance(e, StoreError) or self.pool.targets(ref.path_hash, avoid) == targets:
+                    raise
+                log.warning("%s: version %d failed to commit (%s); committing it again on %s", manifest.path,
+                            ref.version, _why(e), ", ".join(self.pool.targets(ref.path_hash, avoid)))
         self._took(new, ref, held, where)
         await self._retire([*refs, ref], where, committed, replacing)
         return new

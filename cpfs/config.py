@@ -150,6 +150,9 @@ class Config:
     stores: tuple[StoreConfig, ...]
     replicas: int = 2
     write_quorum: int = 2
+    spares: int = 0                 # stores further down the placement that stand in for one marked
+                                    # down (cpfs/placement.py: Layout); default 1 if there are more
+                                    # stores than replicas and write_quorum = replicas
     keep_versions: int = 3          # committed versions kept per path (older manifests are retired)
     gc_grace: float = 3600.0        # gc deletes only objects older than this; dedup and renewal touch
                                     # copies a commit counts on once half of it old (cpfs/gc.py)
@@ -197,6 +200,7 @@ class Config:
 _TOP = {
     "replicas": ("replicas", int),
     "write_quorum": ("write_quorum", int),
+    "spares": ("spares", int),
     "keep_versions": ("keep_versions", int),
     "gc_grace": ("gc_grace", parse_duration),
     "keep_removed": ("keep_removed", parse_retention),
@@ -420,6 +424,11 @@ def parse_config(text: str, source: str, base: Path) -> Config:
         raise _fail(source, "replicas", f"{replicas} replicas need at least {replicas} stores, "
                                         f"{len(stores)} configured")
     values.setdefault("write_quorum", replicas)
+    # A spare keeps saves going with one store down where every copy must land (write_quorum =
+    # replicas); below that the quorum does, and a spare would only make listings need more stores.
+    values.setdefault("spares", min(1, len(stores) - replicas) if values["write_quorum"] == replicas else 0)
+    if not 0 <= values["spares"] <= len(stores) - replicas:
+        raise _fail(source, "spares", f"must be between 0 and the stores beyond replicas ({len(stores) - replicas})")
     if values.get("hedges", 0) < 0:
         raise _fail(source, "store_defaults.hedges", "must be 0 (no hedged reads) or more")
     if values.get("hedge_min", Config.hedge_min) > values.get("hedge_max", Config.hedge_max):

@@ -26,20 +26,36 @@ def place(digest: str, stores: Sequence[str], replicas: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where one config puts a path's versions: its stores, replicas and write_quorum. A path's versions
-    sit where the layout of the config that committed them placed them, until `cpfs scrub --repair`
-    copies them to the current placement; the stores' roster (cpfs/roster.py) names every layout its
-    writers used, so a listing can tell whether it reached the stores of each."""
+    """Where one config puts a path's versions (and chunks): its stores, replicas, write_quorum and
+    spares. A path's versions sit where the layout of the config that committed them placed them,
+    until `cpfs scrub --repair` copies them to the current placement; the stores' roster
+    (cpfs/roster.py) names every layout its writers used, so a listing can tell whether it reached
+    the stores of each.
+    Spares: a write whose placement holds a store marked down goes to the next store in rendezvous
+    order instead (at most `spares` further down), so one store down does not stop saves under the
+    default write_quorum (= replicas); listings then must reach more stores (`reached`)."""
     stores: tuple[str, ...]
     replicas: int
     write_quorum: int
+    spares: int = 0
 
     def holders(self, digest: str) -> list[str]:
-        return place(digest, self.stores, self.replicas)
+        """The stores a write of `digest` may go to, best first: its placement, then its spares."""
+        return place(digest, self.stores, min(len(self.stores), self.replicas + self.spares))
+
+    def targets(self, digest: str, down: Container[str]) -> list[str]:
+        """Where a write of `digest` goes, in rank order: the first `replicas` holders not marked down
+        (its placement while they are up), then, if too few are up, the down ones."""
+        holders = self.holders(digest)
+        chosen = sorted(holders, key=lambda n: n in down)[:self.replicas]
+        return [n for n in holders if n in chosen]
+
+    def needed(self, digest: str) -> int:
+        """How many of `holders(digest)` a listing must reach to meet every version this layout
+        placed: each landed on write_quorum of them."""
+        return len(self.holders(digest)) - self.write_quorum + 1
 
     def reached(self, digest: str, missed: Container[str]) -> bool:
         """Whether a listing that the stores `missed` did not answer met every version this layout
-        placed: each is on write_quorum of its `replicas` holders, so the listing must reach
-        replicas - write_quorum + 1 of them."""
-        answered = sum(n not in missed for n in self.holders(digest))
-        return answered >= self.replicas - self.write_quorum + 1
+        placed (`needed`)."""
+        return sum(n not in missed for n in self.holders(digest)) >= self.needed(digest)

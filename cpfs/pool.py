@@ -54,7 +54,7 @@ import random
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -64,7 +64,7 @@ from . import chunk as chunkfmt
 from .config import Config
 from .errors import ChunkUnavailable, ConfigError, CorruptChunk, NoSuchObject, StoreError, StoreUnavailable
 from .manifest import ChunkEntry
-from .placement import place
+from .placement import Layout, place
 from .store import MeteredStore, ObjectInfo, Store, StoreStats, open_store
 from .store.base import Capacity
 from .sync import Budget, FanOut, SingleFlight, fan_out, quorum
@@ -195,6 +195,7 @@ class StorePool:
         self._stores: dict[str, MeteredStore] = {
             s.name: s if isinstance(s, MeteredStore) else MeteredStore(s) for s in built}
         self.names = list(self._stores)
+        self.layout = Layout(tuple(sorted(self.names)), config.replicas, config.write_quorum, config.spares)
         self.cpu = trio.CapacityLimiter(config.cpu_threads)
         configured = {s.name: s.timeout for s in config.stores}
         self._timeouts = {n: configured.get(n, config.request_timeout) for n in self.names}
@@ -255,6 +256,18 @@ class StorePool:
 
     def is_up(self, name: str) -> bool:
         return self._health[name].up
+
+    def targets(self, digest: str, avoid: Container[str] = ()) -> list[str]:
+        """Where a write of `digest` (a chunk, a path's version, a transaction's record) goes now: its
+        placement, with a spare standing in for each store marked down or in `avoid` (one that just
+        failed a write transiently: `Layout.targets`)."""
+        return self.layout.targets(digest, [n for n in self.names if not self._health[n].up or n in avoid])
+
+    @staticmethod
+    def failed_transiently(e: BaseException) -> list[str]:
+        """The store a write that failed below quorum with `e` may succeed without (a spare standing
+        in: `targets`), or none: a store that refuses (full, denied) refuses the next write too."""
+        return [e.store] if isinstance(e, StoreError) and e.transient else []
 
     def rank(self, names: Sequence[str]) -> list[str]:
         """Replicas, best first: stores that are up before those that are down, known-slow stores after

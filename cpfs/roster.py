@@ -26,8 +26,8 @@ Writers refuse to start on it (`enroll`), and gc refuses to run: with two such s
 versions whose manifests live only there go unseen and gc deleted their chunks on the others (an
 audit's find). A blank store put in on purpose is taken in by `cpfs scrub --repair`, which refills it.
 
-Enrollments also record each config's replicas, write_quorum and keep_versions. Writers take every
-layout the roster names (stores, replicas, write_quorum), not only their own: after stores were added
+Enrollments also record each config's replicas, write_quorum, spares and keep_versions. Writers take
+every layout the roster names (stores, replicas, write_quorum, spares), not only their own: after stores were added
 or removed, a path's versions sit where the config that committed them placed them until `cpfs scrub
 --repair` copies them, and a listing that missed those stores (down) numbered a new save below them and
 showed the path absent (an audit's find: the save, said done, was hidden by the older version and then
@@ -70,7 +70,9 @@ def _key_of(data: bytes) -> str:
 @dataclass(frozen=True)
 class Enrollment:
     """One config's store names (sorted), gc_grace and keep_removed (seconds; inf: forever), and its
-    replicas, write_quorum and keep_versions (None in enrollments written before they were recorded)."""
+    replicas, write_quorum and keep_versions (None in enrollments written before they were recorded)
+    and spares (0 if not recorded: written before spares, or a config without them, whose enrollment
+    keeps its bytes and so its key)."""
 
     stores: tuple[str, ...]
     gc_grace: float
@@ -78,17 +80,21 @@ class Enrollment:
     replicas: int | None = None
     write_quorum: int | None = None
     keep_versions: int | None = None
+    spares: int = 0
 
     @classmethod
     def of(cls, pool: StorePool) -> Enrollment:
         c = pool.config
-        return cls(tuple(sorted(pool.names)), c.gc_grace, c.keep_removed, c.replicas, c.write_quorum, c.keep_versions)
+        return cls(tuple(sorted(pool.names)), c.gc_grace, c.keep_removed, c.replicas, c.write_quorum, c.keep_versions,
+                   pool.layout.spares)
 
     def to_bytes(self) -> bytes:
         keep = None if math.isinf(self.keep_removed) else self.keep_removed
         doc = {"format": FORMAT, "stores": list(self.stores), "gc_grace": self.gc_grace, "keep_removed": keep}
         if self.replicas is not None:
             doc |= {"replicas": self.replicas, "write_quorum": self.write_quorum, "keep_versions": self.keep_versions}
+        if self.spares:
+            doc["spares"] = self.spares
         return json.dumps(doc, sort_keys=True).encode()
 
     @property
@@ -106,23 +112,26 @@ class Enrollment:
             doc = json.loads(data)
             stores, grace, keep = doc["stores"], doc["gc_grace"], doc.get("keep_removed")
             counts = [doc.get(k) for k in ("replicas", "write_quorum", "keep_versions")]
+            spares = doc.get("spares", 0)
             ok = (doc.get("format") == FORMAT and isinstance(stores, list) and stores
                   and all(isinstance(s, str) and s for s in stores)
                   and isinstance(grace, (int, float)) and math.isfinite(grace) and grace > 0
                   and (keep is None or isinstance(keep, (int, float)) and math.isfinite(keep) and keep >= 0)
                   and (counts == [None] * 3 or all(type(n) is int and n >= 1 for n in counts)
-                       and counts[1] <= counts[0] <= len(stores)))
+                       and counts[1] <= counts[0] <= len(stores))
+                  and type(spares) is int and spares >= 0 and (spares == 0 or counts[0] is not None
+                                                               and counts[0] + spares <= len(stores)))
         except MALFORMED:
             ok = False
         if not ok:
             raise ManifestError(f"roster object {key}: not a store enrollment of format {FORMAT}")
-        return cls(tuple(sorted(stores)), float(grace), math.inf if keep is None else float(keep), *counts)
+        return cls(tuple(sorted(stores)), float(grace), math.inf if keep is None else float(keep), *counts, spares)
 
     def layout(self, replicas: int, write_quorum: int) -> Layout:
         """Where this config placed versions; one enrolled without its replicas is taken to use
         `replicas` and `write_quorum` (the reader's), as far as its stores allow."""
         r = self.replicas or min(replicas, len(self.stores))
-        return Layout(self.stores, r, self.write_quorum or min(write_quorum, r))
+        return Layout(self.stores, r, self.write_quorum or min(write_quorum, r), self.spares)
 
 
 @dataclass(frozen=True)

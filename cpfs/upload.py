@@ -2,7 +2,8 @@
 
 `cpfs put` (importer) and files written through the mount (writer) store chunks alike: read a span,
 hash and compress it in a thread (`encode_span`), then put it on the stores placement picks for its
-digest (`Uploader.store`), which reuses the good copies stores hold already (StorePool.store_chunk).
+digest, a spare standing in for a store marked down (`StorePool.targets`; once more if a target went
+down during the put), reusing the good copies stores hold already (StorePool.store_chunk).
 With `write_quorum` < `replicas`, a chunk counts as stored once the quorum holds it: the pool completes
 the other copies in the background (bounded: a slow store makes uploads wait, not memory grow), and the
 entry names the stores that held it when it returned (readers find later copies through placement).
@@ -42,9 +43,8 @@ import trio
 
 from . import chunk as chunkfmt
 from .buffers import BufferPool
-from .errors import CpfsError
+from .errors import CpfsError, StoreError
 from .manifest import ChunkEntry
-from .placement import place
 from .pool import TICKS_WATCH, StorePool
 from .sync import SingleFlight
 
@@ -146,8 +146,17 @@ class Uploader:
         return known
 
     async def _place(self, enc: chunkfmt.EncodedChunk) -> ChunkEntry:
-        targets = place(enc.digest, self._pool.names, self._cfg.replicas)
-        held, new, since = await self._pool.store_chunk(enc, targets, self._cfg.write_quorum)
+        targets = self._pool.targets(enc.digest)
+        try:
+            held, new, since = await self._pool.store_chunk(enc, targets, self._cfg.write_quorum)
+        except StoreError as e:
+            # A target went down during the put: once more, with a spare standing in for it, or the
+            # save in hand fails for what the next one no longer meets.
+            again = self._pool.targets(enc.digest, avoid=self._pool.failed_transiently(e))
+            if again == targets:
+                raise
+            log.warning("chunk %s: %s; storing it on %s instead", enc.digest[:16], e, ", ".join(again))
+            held, new, since = await self._pool.store_chunk(enc, again, self._cfg.write_quorum)
         if new:
             self._new += 1
             self._new_raw += enc.raw_len

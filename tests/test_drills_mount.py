@@ -106,6 +106,34 @@ def test_loads_are_right_under_drills(make_config, tmp_path: Path, mount, drill:
                                       for s in doc["stores"]) + f"; {doc['replicas']}")
 
 
+def test_saves_go_on_with_one_store_down(make_config, tmp_path: Path, mount) -> None:
+    """One of three stores down, the default write_quorum (every copy must land): before spares, 2 in 3
+    saves failed (their placement held the store). Now each lands on the spare; a mount of the stores
+    all up loads every one, and `cpfs scrub --repair` puts the copies on their placement."""
+    healthy = make_config(extra=f'[mount]\nstaging = "{tmp_path / "staging"}"\n')
+    down = drill_config(healthy, "down.toml", s1="down = true")
+    down.write_text(down.read_text().replace(str(tmp_path / "staging"), str(tmp_path / "staging-down")))
+    earlier = saved(tmp_path, healthy, 1)              # the stores in use before s1 went down
+    s1 = healthy.parent / "stores" / "s1"
+    before = set(s1.glob("manifests/*/*"))
+    m = mount(down, "down")
+    want: dict[str, dict[str, torch.Tensor]] = {}
+    for i in range(6):
+        g = torch.Generator().manual_seed(200 + i)
+        want[f"ck{i}.pt"] = sd = {f"t{j}": torch.randn(MiB // 4, generator=g) for j in range(4)}
+        torch.save(sd, m.path / f"ck{i}.pt")
+    assert "marked down" in m.log.read_text()
+    assert set(s1.glob("manifests/*/*")) == before                        # nothing reached s1
+    up = mount(healthy, "up")
+    for name, sd in want.items():
+        assert same(torch.load(up.path / name, weights_only=True), sd), name
+    assert same(torch.load(up.path / "ck" / "ck0.pt", weights_only=True), earlier["ck0.pt"])
+    assert cpfs("scrub", config=healthy, check=False).returncode == 1        # copies off their placement
+    assert cpfs("scrub", "--repair", config=healthy, check=False).returncode == 0
+    assert cpfs("scrub", config=healthy, check=False).returncode == 0
+    assert set(s1.glob("manifests/*/*")) > before
+
+
 def test_a_store_that_vanishes_mid_load(make_config, tmp_path: Path, mount) -> None:
     """A store's folder goes away while a load runs (an NFS export unmounted): the load completes from
     the other replicas, byte for byte."""

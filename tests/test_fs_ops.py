@@ -782,10 +782,11 @@ async def test_a_file_whose_stores_cannot_be_listed_stays_shown_and_is_never_sai
     another store answers: a mount that shows the file keeps it and reads it through its next
     listings, and a lookup that must ask the stores fails (EIO) rather than say there is no such file.
     A file whose stores did answer and that was removed elsewhere still goes. An audit found the
-    first file dropped at the next listing: ENOENT for a checkpoint that was there."""
+    first file dropped at the next listing: ENOENT for a checkpoint that was there. No spare: with one,
+    each path's versions may sit on all three stores, and a listing needs two of them."""
     ctx = pyfuse3.RequestContext()
     faulty: list[FaultyStore] = []
-    async with operations(tmp_path, faulty) as (ops, catalog):
+    async with operations(tmp_path, faulty, extra="spares = 0") as (ops, catalog):
         names = [f.name for f in faulty]
         await new_file(ops, pyfuse3.ROOT_INODE, b"ckpt.pt", b"the last good checkpoint")
         holders = place(path_hash("/ckpt.pt"), names, 2)
