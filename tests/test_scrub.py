@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -389,6 +390,40 @@ async def test_a_voided_copy_is_reported_and_repair_deletes_it(tmp_path: Path) -
     assert (await Scrubber(pool, Catalog(pool)).run()).stats.voided == 0
 
 
+async def repair_races(tmp_path: Path, writer_s1: FaultyStore, keys: str, fail: Callable[[], Awaitable[object]],
+                       on_s0: Callable[[], bool]) -> None:
+    """Run `fail()` (a commit that fails: s1 refuses its put of `keys`, held until the race is set)
+    against a `scrub --repair` that lists its copy on s0 (once `on_s0()`) and whose put of that copy
+    on s1 lands only after the writer's take-back."""
+    release, reached, failed, scrub_put = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+    writer_s1.hold("put", keys, until=release, refuse=True, reached=reached)
+
+    def late_on_s1(store):
+        wrapped = FaultyStore(store)
+        if store.name == "s1":
+            wrapped.hold("put", keys, until=failed, reached=scrub_put)
+        return wrapped
+
+    async def failing() -> None:
+        with pytest.raises(StoreError):
+            await fail()
+        failed.set()
+
+    async def scrub() -> None:
+        pool = make_pool(tmp_path, stores=2, wrap=late_on_s1)
+        await Scrubber(pool, Catalog(pool)).run(repair=True)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(failing)
+        await reached.wait()
+        while not on_s0():
+            await trio.sleep(0.01)                   # s0's put may land after s1's is held
+        n.start_soon(scrub)
+        with trio.fail_after(30):
+            await scrub_put.wait()
+        release.set()
+
+
 async def test_a_repair_racing_a_failing_commit_does_not_make_it_current(tmp_path: Path) -> None:
     """Scrub lists a commit's copy on s0 while the commit is failing (s1 refuses it), and puts it on
     s1 after the writer took it back there and on s0. The take-back wrote no twin where every delete
@@ -396,34 +431,10 @@ async def test_a_repair_racing_a_failing_commit_does_not_make_it_current(tmp_pat
     find). Now the twin comes first, whatever the deletes do."""
     cat, wrappers = faulty_catalog(tmp_path, stores=2, keep=3)
     good = await commit_bytes(cat, "/ckpt.pt", b"good")
-    release, reached, failed, scrub_put = trio.Event(), trio.Event(), trio.Event(), trio.Event()
-    wrappers[1].hold("put", MANIFESTS, until=release, refuse=True, reached=reached)
-
-    def late_on_s1(store):
-        wrapped = FaultyStore(store)
-        if store.name == "s1":
-            wrapped.hold("put", MANIFESTS, until=failed, reached=scrub_put)    # lands after the take-back
-        return wrapped
-
-    async def failing() -> None:
-        with pytest.raises(StoreError):
-            await commit_bytes(cat, "/ckpt.pt", b"the failed save")
-        failed.set()
-
-    async def scrub() -> None:
-        pool = make_pool(tmp_path, stores=2, keep=3, wrap=late_on_s1)
-        await Scrubber(pool, Catalog(pool)).run(repair=True)
-
-    async with trio.open_nursery() as n:
-        n.start_soon(failing)
-        await reached.wait()
-        while "00000000000000000002.ab.ok.json" not in version_files(tmp_path, "s0", "/ckpt.pt"):
-            await trio.sleep(0.01)                   # s0's put may land after s1's is held
-        n.start_soon(scrub)
-        with trio.fail_after(30):
-            await scrub_put.wait()
-        release.set()
-    assert "00000000000000000002.ab.ok.json" in version_files(tmp_path, "s1", "/ckpt.pt")   # the race was run
+    copy = "00000000000000000002.ab.ok.json"
+    await repair_races(tmp_path, wrappers[1], MANIFESTS, lambda: commit_bytes(cat, "/ckpt.pt", b"the failed save"),
+                       lambda: copy in version_files(tmp_path, "s0", "/ckpt.pt"))
+    assert copy in version_files(tmp_path, "s1", "/ckpt.pt")     # the race was run
     other = Catalog(make_pool(tmp_path, stores=2))
     assert (await other.get("/ckpt.pt")).chunks == good.chunks
     assert [(i.ref.version, i.ref.state, i.current) for i in await other.history("/ckpt.pt")][:2] \

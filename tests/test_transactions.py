@@ -22,6 +22,7 @@ from cpfs.scrub import Scrubber, render
 from cpfs.store.faulty import FaultyStore, Rule
 
 from test_catalog import commit_bytes, faulty_catalog, make_pool
+from test_scrub import repair_races
 
 
 RECORDS, MARKERS = "txns/*", "txns/*.failed.json"      # transaction records, void markers (FaultyStore rules)
@@ -157,34 +158,9 @@ async def test_a_record_a_repair_puts_back_does_not_make_a_failed_transaction_co
     cat, (s0, s1) = faulty_catalog(tmp_path, stores=2)
     for path, data in FILES.items():
         await commit_bytes(cat, path, data)
-    release, reached, failed, scrub_put = trio.Event(), trio.Event(), trio.Event(), trio.Event()
-    s1.hold("put", RECORDS, until=release, refuse=True, reached=reached)
     s0.refuse("delete", lambda key: key.startswith("manifests/"))
-
-    def late_on_s1(store):
-        wrapped = FaultyStore(store)
-        if store.name == "s1":
-            wrapped.hold("put", RECORDS, until=failed, reached=scrub_put)    # lands after the take-back
-        return wrapped
-
-    async def failing() -> None:
-        with pytest.raises(StoreError):
-            await moved(cat, "/run/step_1", "/run/final")
-        failed.set()
-
-    async def scrub() -> None:
-        pool = make_pool(tmp_path, stores=2, wrap=late_on_s1)
-        await Scrubber(pool, Catalog(pool)).run(repair=True)
-
-    async with trio.open_nursery() as n:
-        n.start_soon(failing)
-        await reached.wait()
-        while not list(tmp_path.glob("s0/txns/*.json")):
-            await trio.sleep(0.01)                   # s0's put may land after s1's is held
-        n.start_soon(scrub)
-        with trio.fail_after(30):
-            await scrub_put.wait()
-        release.set()
+    await repair_races(tmp_path, s1, RECORDS, lambda: moved(cat, "/run/step_1", "/run/final"),
+                       lambda: bool(list(tmp_path.glob("s0/txns/*.json"))))
     assert [p.name for p in tmp_path.glob("s1/txns/*.json") if ".failed" not in p.name]    # the race was run
     assert len(txn_version_keys(tmp_path)) >= len(FILES)
     assert await paths(tmp_path, stores=2) == set(FILES)
