@@ -418,9 +418,12 @@ class Catalog:
         """The current version's summary; NotFound if there is none, ManifestError if unreadable."""
         refs, where, committed = await self._refs(path)
         s = await self._current_summary(path_hash(path), refs, where, committed)
+        if not self.listed_enough(path, where.missed):
+            # A newer version (or its removal) may be on the stores that missed: a spare took it while
+            # a placement store was down (the spares review: a fresh reader got the version before).
+            raise self._unlisted(path, where.missed, "to tell whether it exists" if s is None
+                                 else "to tell which version is current")
         if s is None:
-            if not self.listed_enough(path, where.missed):     # it may be on the stores that missed
-                raise self._unlisted(path, where.missed, "to tell whether it exists")
             raise NotFound(f"no file {path!r}")
         if s.path != path:
             raise ManifestError(f"manifest {s.key} names {s.path!r}, not {path!r}")
@@ -551,7 +554,9 @@ class Catalog:
             async with limiter:
                 try:
                     s = await self._current_summary(h, refs, where, committed)
-                    if s is not None:
+                    # Not listed enough, a newer version may be on the stores that missed: left out,
+                    # as a path none of whose versions was listed (a mount keeps what it showed).
+                    if s is not None and self.listed_enough(s.path, where.missed):
                         out[s.path] = s
                     return
                 except ManifestError as e:
@@ -889,11 +894,13 @@ class Catalog:
         if state == "ok":
             await self._under_folders([manifest.path], seen)
         await self.retry_voids()
-        refs, where, committed = await self._listed_refs(manifest.path)
-        if state == "ok":
-            _not_removed_since(manifest.path, current_of(refs, committed), seen)
         avoid: list[str] = []
         for again in (False, True):
+            # Listed again for the retry: another writer may have taken the next number meanwhile
+            # (the retry with its old listing tied with it, and the save done last was hidden).
+            refs, where, committed = await self._listed_refs(manifest.path)
+            if state == "ok":
+                _not_removed_since(manifest.path, current_of(refs, committed), seen)
             new, ref, targets = self._next(manifest, refs, state, reason, avoid=avoid)
             try:
                 held = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)

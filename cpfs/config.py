@@ -152,7 +152,7 @@ class Config:
     write_quorum: int = 2
     spares: int = 0                 # stores further down the placement that stand in for one marked
                                     # down (cpfs/placement.py: Layout); default 1 if there are more
-                                    # stores than replicas and write_quorum = replicas
+                                    # stores than replicas and write_quorum = replicas >= 2
     keep_versions: int = 3          # committed versions kept per path (older manifests are retired)
     gc_grace: float = 3600.0        # gc deletes only objects older than this; dedup and renewal touch
                                     # copies a commit counts on once half of it old (cpfs/gc.py)
@@ -425,8 +425,9 @@ def parse_config(text: str, source: str, base: Path) -> Config:
                                         f"{len(stores)} configured")
     values.setdefault("write_quorum", replicas)
     # A spare keeps saves going with one store down where every copy must land (write_quorum =
-    # replicas); below that the quorum does, and a spare would only make listings need more stores.
-    values.setdefault("spares", min(1, len(stores) - replicas) if values["write_quorum"] == replicas else 0)
+    # replicas); below that the quorum does, and a spare would only make listings need more stores
+    # (with replicas 1, both the placement store and the spare: one store down would stop commits).
+    values.setdefault("spares", min(1, len(stores) - replicas) if values["write_quorum"] == replicas >= 2 else 0)
     if not 0 <= values["spares"] <= len(stores) - replicas:
         raise _fail(source, "spares", f"must be between 0 and the stores beyond replicas ({len(stores) - replicas})")
     if values.get("hedges", 0) < 0:

@@ -62,7 +62,8 @@ import trio
 
 from . import chunk as chunkfmt
 from .config import Config
-from .errors import ChunkUnavailable, ConfigError, CorruptChunk, NoSuchObject, StoreError, StoreUnavailable
+from .errors import (ChunkUnavailable, ConfigError, CorruptChunk, NoSuchObject, StoreDenied, StoreError, StoreFull,
+                     StoreUnavailable)
 from .manifest import ChunkEntry
 from .placement import Layout, place
 from .store import MeteredStore, ObjectInfo, Store, StoreStats, open_store
@@ -79,6 +80,7 @@ DOWN_AFTER = 3               # requests in a row failing transiently mark a stor
 PROBE_INTERVAL = 1.0         # seconds between probes of a store that is down
 REPAIR_QUEUE = 64            # read repairs waiting at most (each holds one chunk's bytes)
 CHECK_TIMEOUT = 5.0          # a startup check or probe waits at most this (or the store's timeout)
+REFUSED_FOR = 30.0           # seconds: after a store refused a write (full, denied), writes go to a spare
 REVIVE_AFTER = 0.2           # seconds: a write to a store marked down probes it first, if none did since
 RANK_FLOOR = 0.001           # latencies below this rank alike (a local disk is a local disk)
 VERIFY_FULL_MAX = 256 * 1024  # dedup compares whole replicas up to this size, size + header above
@@ -150,6 +152,7 @@ class StoreHealth:
     marked_down: int          # times marked down
     probes: int               # checks while down (background, and a write's first: `_revive`)
     repairs: int              # chunk copies rewritten because they were corrupt
+    refusals: int = 0         # writes it refused (full, denied): then written to a spare for REFUSED_FOR
 
 
 class _Health:
@@ -157,12 +160,14 @@ class _Health:
         self.up = True
         self.reason = ""
         self.in_a_row = self.retries = self.timeouts = self.marked_down = self.probes = self.repairs = 0
+        self.refusals = 0
         self.probed = -math.inf          # when the last probe started (trio time)
+        self.refused = -math.inf         # when it last refused a write (trio time)
 
     def snapshot(self, name: str) -> StoreHealth:
         return StoreHealth(name=name, up=self.up, reason=self.reason, failures_in_a_row=self.in_a_row,
                            retries=self.retries, timeouts=self.timeouts, marked_down=self.marked_down,
-                           probes=self.probes, repairs=self.repairs)
+                           probes=self.probes, repairs=self.repairs, refusals=self.refusals)
 
 
 def _decoder(digest: str) -> Callable[[bytes | memoryview], tuple[bytes | memoryview | CorruptChunk, bytes | memoryview]]:
@@ -259,14 +264,17 @@ class StorePool:
 
     def targets(self, digest: str, avoid: Container[str] = ()) -> list[str]:
         """Where a write of `digest` (a chunk, a path's version, a transaction's record) goes now: its
-        placement, with a spare standing in for each store marked down or in `avoid` (one that just
-        failed a write transiently: `Layout.targets`)."""
-        return self.layout.targets(digest, [n for n in self.names if not self._health[n].up or n in avoid])
+        placement, with a spare standing in for each store marked down, that refused a write within
+        REFUSED_FOR (full, denied), or in `avoid` (one that just failed a write transiently:
+        `Layout.targets`)."""
+        now = trio.current_time()
+        return self.layout.targets(digest, [n for n, h in self._health.items()
+                                            if not h.up or now - h.refused < REFUSED_FOR or n in avoid])
 
     @staticmethod
     def failed_transiently(e: BaseException) -> list[str]:
         """The store a write that failed below quorum with `e` may succeed without (a spare standing
-        in: `targets`), or none: a store that refuses (full, denied) refuses the next write too."""
+        in: `targets`), or none (a store that refused it, full or denied, `targets` avoids anyway)."""
         return [e.store] if isinstance(e, StoreError) and e.transient else []
 
     def rank(self, names: Sequence[str]) -> list[str]:
@@ -498,7 +506,16 @@ class StorePool:
         return await self._call(name, f"head {key!r}", lambda s: s.head(key))
 
     async def put(self, name: str, key: str, data: bytes | memoryview) -> None:
-        await self._call(name, f"put {key!r}", lambda s: s.put(key, data))
+        try:
+            await self._call(name, f"put {key!r}", lambda s: s.put(key, data))
+        except (StoreFull, StoreDenied) as e:
+            h = self._health[name]
+            if trio.current_time() - h.refused >= REFUSED_FOR:
+                log.warning("store %r refuses writes (%s): writes placed on it go to a spare for %gs, if the "
+                            "config has one", name, e.detail, REFUSED_FOR)
+            h.refused = trio.current_time()
+            h.refusals += 1
+            raise
 
     async def put_new(self, name: str, key: str, data: bytes | memoryview) -> bool:
         """`Store.put_new` on one store: False if the key was there. A retry after a put that landed

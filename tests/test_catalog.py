@@ -30,9 +30,9 @@ MANIFESTS, TWINS = "manifests/*", "*.failed.json"    # the keys the tests' fault
 
 
 def make_pool(tmp_path: Path, stores: int = 2, replicas: int = 2, keep: int = 3, quorum: int | None = None,
-              wrap=None) -> StorePool:
+              wrap=None, spares: int | None = None) -> StorePool:
     text = (f"replicas = {replicas}\nkeep_versions = {keep}\n"
-            + (f"write_quorum = {quorum}\n" if quorum else "")
+            + (f"write_quorum = {quorum}\n" if quorum else "") + (f"spares = {spares}\n" if spares is not None else "")
             + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(stores)))
     config = parse_config(text, "test.toml", tmp_path)
     built = [DirectoryStore(s.name, s.path) for s in config.stores]
@@ -67,7 +67,7 @@ async def test_versions_count_up_and_history_keeps_the_newest(tmp_path: Path) ->
 
 
 def faulty_catalog(tmp_path: Path, stores: int = 2, kind=FaultyStore, keep: int = 3,
-                   quorum: int | None = None) -> tuple[Catalog, list]:
+                   quorum: int | None = None, spares: int | None = None) -> tuple[Catalog, list]:
     """A catalog (writer "ab") whose folder stores are each in a `kind` of FaultyStore (the wrappers, in
     store order), whose rules the test sets: `refuse("put", MANIFESTS)` (a full or read-only store),
     `refuse("delete", MANIFESTS)`, `refuse("put", TWINS)`, `refuse("list", MANIFESTS)` (a store that
@@ -78,7 +78,8 @@ def faulty_catalog(tmp_path: Path, stores: int = 2, kind=FaultyStore, keep: int 
         wrappers.append(kind(store))
         return wrappers[-1]
 
-    return Catalog(make_pool(tmp_path, stores=stores, keep=keep, quorum=quorum, wrap=wrap), writer="ab"), wrappers
+    return Catalog(make_pool(tmp_path, stores=stores, keep=keep, quorum=quorum, wrap=wrap, spares=spares),
+                   writer="ab"), wrappers
 
 
 async def test_a_failed_manifest_commit_keeps_the_previous_version_on_every_store(tmp_path: Path) -> None:
@@ -260,8 +261,9 @@ async def test_a_journal_file_that_cannot_be_read_is_kept_and_said(tmp_path: Pat
 async def test_a_twin_is_not_retired_while_a_store_that_may_hold_its_copy_cannot_be_listed(tmp_path: Path) -> None:
     """The store that kept the copy refused the twin too, so the twin is on another store only. Then
     the copy's store is down while failed saves push the twin past keep_versions: retiring it then
-    would let the copy count again once that store is back (a failed save, current)."""
-    cat, wrappers = faulty_catalog(tmp_path, stores=3, keep=1)
+    would let the copy count again once that store is back (a failed save, current). No spare: with
+    one, the commit refused by `other` is made again on it."""
+    cat, wrappers = faulty_catalog(tmp_path, stores=3, keep=1, spares=0)
     by_name = {w.name: w for w in wrappers}
     copy, other = (by_name[n] for n in place(path_hash("/ckpt.pt"), list(by_name), 2))
     v1 = await commit_bytes(cat, "/ckpt.pt", b"good checkpoint")

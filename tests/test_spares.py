@@ -10,11 +10,12 @@ import os
 from pathlib import Path
 
 import pytest
+import trio
 
 from cpfs import roster
 from cpfs.catalog import Catalog
 from cpfs.config import ConfigError, parse_config
-from cpfs.errors import StoreUnavailable
+from cpfs.errors import StoreFull, StoreUnavailable
 from cpfs.importer import Importer
 from cpfs.manifest import path_hash
 from cpfs.placement import Layout, place
@@ -25,8 +26,8 @@ from cpfs.store import DirectoryStore, FaultyStore
 NAMES = ("s0", "s1", "s2")
 
 
-def _config(tmp_path: Path, extra: str = "", stores: int = 3):
-    return parse_config('replicas = 2\nchunk_size = "64KiB"\n' + extra
+def _config(tmp_path: Path, extra: str = "", stores: int = 3, replicas: int = 2):
+    return parse_config(f'replicas = {replicas}\nchunk_size = "64KiB"\n' + extra
                         + "".join(f'[[store]]\nname = "s{i}"\nurl = "s{i}"\n' for i in range(stores)),
                         "test.toml", tmp_path)
 
@@ -147,3 +148,94 @@ async def test_the_roster_tells_every_writer_of_a_spare(tmp_path: Path) -> None:
     assert cat.listed_enough(path, [first, spare])                       # its own layout: 1 of 2
     roster.take(cat, listed)
     assert not cat.listed_enough(path, [first, spare])                   # the spare's: 2 of 3
+
+
+async def test_a_store_that_refuses_writes_is_stood_in_for_a_while(tmp_path: Path) -> None:
+    """s1 full (or denied: a disk remounted read-only): the first write it refuses marks it for
+    REFUSED_FOR, the write is tried once more with the spare in its place, and later writes go to the
+    spare at once. Reads of what s1 held go on."""
+    pool, wrapped = _pool(tmp_path)
+    await pool.check()
+    cat = Catalog(pool, writer="ab")
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(300_000))
+    before, = await Importer(pool, cat).put(src, "/before.pt")
+    wrapped["s1"].refuse("put", "*", error=StoreFull)
+    saved = {}
+    for i in range(4):
+        src.write_bytes(data := os.urandom(300_000))
+        m, = await Importer(pool, cat).put(src, path := f"/ck{i}.pt")
+        assert all("s1" not in c.stores for c in m.chunks)
+        saved[path] = (m, data)
+    assert pool.health()[1].refusals == wrapped["s1"].statistics().ruled >= 1
+    assert pool.health()[1].up                                   # reads still use it
+    up, _ = _pool(tmp_path)
+    for path, (m, data) in saved.items():
+        cur = await Catalog(up).get(path)
+        assert cur.version == m.version and b"".join([await up.fetch_chunk(c, path) for c in cur.chunks]) == data
+    assert (await Catalog(up).get("/before.pt")).chunks == before.chunks
+
+
+async def test_replicas_1_gets_no_spare(tmp_path: Path) -> None:
+    """With replicas 1 a spare makes a listing need both the placement store and the spare: one store
+    down would stop commits it did not stop before (the review's find), so none by default."""
+    config = _config(tmp_path, replicas=1)
+    assert config.spares == 0 and StorePool(config).layout.needed(path_hash("/ck.pt")) == 1
+
+
+async def test_a_reader_that_misses_the_stores_of_the_newest_version_does_not_serve_an_older(tmp_path: Path) -> None:
+    """v2 saved while placement store b was down lands on a and the spare c. A reader that can list
+    only b would find v1 alone and serve it as current (the review's find: a fresh mount or `cpfs cat`
+    went back a checkpoint): it fails (EIO) instead, and a snapshot leaves the path out."""
+    path = "/ck0.pt"
+    a, b = place(path_hash(path), NAMES, 2)
+    c, = set(NAMES) - {a, b}
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1000))
+    pool, _ = _pool(tmp_path)
+    await Importer(pool, Catalog(pool, writer="aa")).put(src, path)
+    pool, _ = _pool(tmp_path, down=b)
+    await pool.check()
+    src.write_bytes(os.urandom(1000))
+    v2, = await Importer(pool, Catalog(pool, writer="ab")).put(src, path)
+    assert v2.version == 2
+    reader, wrapped = _pool(tmp_path)
+    wrapped[a].down = wrapped[c].down = True
+    with pytest.raises(StoreUnavailable, match="to tell which version is current"):
+        await Catalog(reader).get(path)
+    assert path not in await Catalog(reader).load_all()
+    reader, _ = _pool(tmp_path)
+    assert (await Catalog(reader).get(path)).version == 2
+
+
+async def test_a_retried_commit_numbers_above_one_committed_meanwhile(tmp_path: Path) -> None:
+    """Writer aa's manifest put on placement store b is held, then refused; meanwhile writer ff commits
+    the path. aa's retry (on the spare) numbered from its listing before the put, took ff's number,
+    and lost the tie to ff: the save done last was hidden (the review's find). It lists again."""
+    path = "/ck0.pt"
+    h = path_hash(path)
+    a, b = place(h, NAMES, 2)
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1000))
+    pool, wrapped = _pool(tmp_path)
+    m, = await Importer(pool, Catalog(pool, writer="e0")).put(src, path)
+    go, reached = trio.Event(), trio.Event()
+    wrapped[b].hold("put", lambda k: k.startswith(f"manifests/{h}/") and ".aa.ok" in k, until=go, refuse=True,
+                    reached=reached)
+    done: dict[str, int] = {}
+
+    async def aa() -> None:
+        done["aa"] = (await Catalog(pool, writer="aa").commit(m)).version
+
+    async with trio.open_nursery() as n:
+        n.start_soon(aa)
+        await reached.wait()
+        while not list((tmp_path / a).glob(f"manifests/{h}/*.aa.ok.json")):   # aa's put on a landed
+            await trio.sleep(0.01)
+        other, _ = _pool(tmp_path)
+        done["ff"] = (await Catalog(other, writer="ff").commit(m)).version
+        go.set()
+    assert done["aa"] > done["ff"]
+    reader, _ = _pool(tmp_path)
+    cur = await Catalog(reader).current(path)
+    assert (cur.version, cur.writer) == (done["aa"], "aa")
