@@ -1330,8 +1330,9 @@ def test_gc_whose_deletions_fail_exits_1(tmp_path: Path) -> None:
     cpfs("put", str(src), "/z.bin", config=cfg)
     cpfs("put", str(src), "/z.bin", config=cfg)     # z's first version retired: its chunks unreferenced
     _age_chunks(tmp_path)
-    chunks = _stores_root(tmp_path) / "s0" / "chunks"
-    folders = [chunks, *chunks.iterdir()]
+    # Every store's: z's first version may have no chunk on a given one (1 in 81 for four chunks).
+    folders = [f for s in ("s0", "s1", "s2") for chunks in [_stores_root(tmp_path) / s / "chunks"]
+               for f in (chunks, *chunks.iterdir())]
     try:
         for d in folders:
             subprocess.run(["chattr", "+i", str(d)], check=True, capture_output=True)
@@ -1343,8 +1344,8 @@ def test_gc_whose_deletions_fail_exits_1(tmp_path: Path) -> None:
         for d in folders:
             subprocess.run(["chattr", "-i", str(d)], check=True, capture_output=True)
     report = json.loads(r.stdout)
-    s0 = next(s for s in report["stores"] if s["name"] == "s0")
-    assert r.returncode == 1 and s0["errors"] > 0 and s0["deleted"] == 0, (r.stdout, r.stderr)
+    assert r.returncode == 1 and sum(s["errors"] for s in report["stores"]) > 0, (r.stdout, r.stderr)
+    assert all(s["deleted"] == 0 for s in report["stores"]), r.stdout
     r = cpfs("gc", "--json", config=cfg, check=False, text=True)
     assert r.returncode == 0 and json.loads(r.stdout)["freed_objects"] > 0
 
