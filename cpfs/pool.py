@@ -65,7 +65,7 @@ from .config import Config
 from .errors import (ChunkUnavailable, ConfigError, CorruptChunk, NoSuchObject, StoreDenied, StoreError, StoreFull,
                      StoreUnavailable)
 from .manifest import ChunkEntry
-from .placement import Layout
+from .placement import Layout, place
 from .store import MeteredStore, ObjectInfo, Store, StoreStats, open_store
 from .store.base import Capacity
 from .sync import Budget, FanOut, SingleFlight, fan_out, quorum
@@ -905,15 +905,15 @@ class StorePool:
         """Verified raw bytes of a chunk from the best replica that has them, exactly entry.raw_len
         long. `where` ("file F offset O chunk N") goes into every log line about it.
         The stores the manifest lists are tried first, then the chunk's current placement: where
-        `cpfs scrub --repair` puts the copies a replaced, removed or too short store list lacks; then its
-        spares (a copy written there in the background, after the entry was made: `targets`).
+        `cpfs scrub --repair` puts the copies a replaced, removed or too short store list lacks.
         `damaged_on`: listed stores a batch read found without a good copy (`fetch_chunks`): not asked
         again, and repaired like those this read finds."""
         key = chunkfmt.chunk_key(entry.digest)
         placed: list[str] = []
 
         def placement() -> list[str]:
-            placed.extend(n for n in self.layout.holders(entry.digest) if n not in entry.stores)
+            placed.extend(n for n in place(entry.digest, self.names, min(self.config.replicas, len(self.names)))
+                          if n not in entry.stores)
             return placed
         failures: list[str] = []
         damaged: list[str] = list(damaged_on)    # replicas that are corrupt or missing: to repair

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from cpfs import chunk as chunkfmt
 from cpfs import roster
 from cpfs.catalog import Catalog
 from cpfs.config import ConfigError, parse_config
 from cpfs.errors import StoreFull, StoreUnavailable
 from cpfs.importer import Importer
-from cpfs.manifest import ChunkEntry, path_hash
+from cpfs.manifest import path_hash
 from cpfs.placement import Layout, place
 from cpfs.pool import StorePool
 from cpfs.scrub import Scrubber
@@ -241,13 +240,3 @@ async def test_a_retried_commit_numbers_above_one_committed_meanwhile(tmp_path: 
     cur = await Catalog(reader).current(path)
     assert (cur.version, cur.writer) == (done["aa"], "aa")
 
-
-async def test_a_read_finds_a_copy_on_the_spare_that_its_entry_does_not_name(tmp_path: Path) -> None:
-    """With write_quorum below replicas a copy on a spare can land after the write returned, so the
-    chunk's entry does not name it: a read tries the placement, then the spares."""
-    pool, _ = _pool(tmp_path, extra="write_quorum = 1\nspares = 1\n")
-    enc = chunkfmt.encode(data := os.urandom(70_000))
-    first, second, spare = place(enc.digest, NAMES, 3)
-    await pool.put(spare, chunkfmt.chunk_key(enc.digest), enc.blob)
-    entry = ChunkEntry(enc.digest, enc.raw_len, enc.stored_len, enc.codec, (first,))
-    assert await pool.fetch_chunk(entry, "test") == data
