@@ -149,10 +149,12 @@ class VersionInfo:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A path whose current version no store can give us intact: listed, but EIO when opened."""
+    """A path whose current version no store can give us intact: listed, but EIO when opened. With
+    `unlisted`: one whose listing missed stores that may hold a newer version than `key`."""
     path: str
     key: str
     reason: str
+    unlisted: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -554,10 +556,16 @@ class Catalog:
             async with limiter:
                 try:
                     s = await self._current_summary(h, refs, where, committed)
-                    # Not listed enough, a newer version may be on the stores that missed: left out,
-                    # as a path none of whose versions was listed (a mount keeps what it showed).
-                    if s is not None and self.listed_enough(s.path, where.missed):
+                    if s is None:
+                        return
+                    if self.listed_enough(s.path, where.missed) or s.directory or s.link:
                         out[s.path] = s
+                    else:
+                        # A newer version may be on the stores that missed (a spare took it while a
+                        # placement store was down): shown, so that no put or create replaces it
+                        # (left out, a folder of such files looked empty), but EIO when opened.
+                        out[s.path] = Unreadable(s.path, s.key, self._unlisted(
+                            s.path, where.missed, "to tell which version is current").detail, unlisted=True)
                     return
                 except ManifestError as e:
                     reason = str(e)

@@ -430,6 +430,9 @@ def parse_config(text: str, source: str, base: Path) -> Config:
     values.setdefault("spares", min(1, len(stores) - replicas) if values["write_quorum"] == replicas >= 2 else 0)
     if not 0 <= values["spares"] <= len(stores) - replicas:
         raise _fail(source, "spares", f"must be between 0 and the stores beyond replicas ({len(stores) - replicas})")
+    if values["spares"] and values["write_quorum"] == 1:
+        raise _fail(source, "spares", "must be 0 with write_quorum 1: every listing would need every store a "
+                                      "path may sit on, so one store down would stop saves and reads")
     if values.get("hedges", 0) < 0:
         raise _fail(source, "store_defaults.hedges", "must be 0 (no hedged reads) or more")
     if values.get("hedge_min", Config.hedge_min) > values.get("hedge_max", Config.hedge_max):

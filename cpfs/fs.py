@@ -50,7 +50,7 @@ import pyfuse3
 import trio
 
 from . import buffers, openers, plan, stats
-from .catalog import Catalog, Snapshot, Unreadable, folders_above
+from .catalog import Catalog, Snapshot, Unreadable, VersionRef, folders_above
 from .chunking import READ_BLOCK
 from .config import Config
 from .errors import (CpfsError, Exists, IsADirectory, ManifestError, ManifestGone, NameTooLong, NotADirectory,
@@ -1292,6 +1292,9 @@ class CpfsOperations(pyfuse3.Operations):
                 # mount sees the old tree or the new one, never a mix, and a failure changes nothing.
                 now = time.time_ns()
                 entries = self.ns.entries(node, old_path)
+                for p, f in entries:        # left behind, it would stay under the old name
+                    if f.summary is None and f.broken:
+                        raise ManifestError(f"{p}: {f.broken}: the folder cannot be moved without it")
                 moving = [(p, f) for p, f in entries if f.summary is not None]
                 old = [dataclasses.replace(await self._manifest(f), path=p) for p, f in moving]
                 # Versions that files never committed were renamed over leave with them.
@@ -1415,6 +1418,9 @@ def _newer(m: Summary | Unreadable, node: Node, catalog: Catalog) -> bool:
     version, or any other if the node's was voided since (a failed commit this mount listed in the
     moment before its writer voided it: cpfs/catalog.py)."""
     if isinstance(m, Unreadable):
+        if m.unlisted and node.summary is not None:     # what the node shows may be current: kept,
+            found = VersionRef.parse(m.key)               # unless the listing found a newer one
+            return found is not None and found.order > node.summary.order
         return not node.broken
     return node.summary is None or m.order > node.summary.order \
         or (m.order != node.summary.order and catalog.voids(node.summary))

@@ -43,11 +43,12 @@ class Layout:
         """The stores a write of `digest` may go to, best first: its placement, then its spares."""
         return place(digest, self.stores, min(len(self.stores), self.replicas + self.spares))
 
-    def targets(self, digest: str, down: Container[str]) -> list[str]:
-        """Where a write of `digest` goes, in rank order: the first `replicas` holders not marked down
-        (its placement while they are up), then, if too few are up, the down ones."""
+    def targets(self, digest: str, down: Container[str], refusing: Container[str] = ()) -> list[str]:
+        """Where a write of `digest` goes, in rank order: the first `replicas` holders neither marked
+        down nor `refusing` writes of late (its placement while they are fine), then, if too few are,
+        the refusing ones (a store full for chunks may take a manifest), then the down ones."""
         holders = self.holders(digest)
-        chosen = sorted(holders, key=lambda n: n in down)[:self.replicas]
+        chosen = sorted(holders, key=lambda n: 2 * (n in down) + (n in refusing))[:self.replicas]
         return [n for n in holders if n in chosen]
 
     def needed(self, digest: str) -> int:

@@ -268,8 +268,8 @@ class StorePool:
         REFUSED_FOR (full, denied), or in `avoid` (one that just failed a write transiently:
         `Layout.targets`)."""
         now = trio.current_time()
-        return self.layout.targets(digest, [n for n, h in self._health.items()
-                                            if not h.up or now - h.refused < REFUSED_FOR or n in avoid])
+        return self.layout.targets(digest, [n for n, h in self._health.items() if not h.up or n in avoid],
+                                   [n for n, h in self._health.items() if now - h.refused < REFUSED_FOR])
 
     @staticmethod
     def failed_transiently(e: BaseException) -> list[str]:
@@ -506,8 +506,14 @@ class StorePool:
         return await self._call(name, f"head {key!r}", lambda s: s.head(key))
 
     async def put(self, name: str, key: str, data: bytes | memoryview) -> None:
+        await self._call(name, f"put {key!r}", lambda s: s.put(key, data))
+
+    async def _placed_put(self, name: str, key: str, data: bytes | memoryview) -> None:
+        """`put` of a write that `targets` placed (a chunk, a manifest): a refusal marks the store so
+        that the next writes go to a spare (`targets`). Not other writes (a hold, a clock probe): one
+        refused for its own reason would send every chunk and manifest elsewhere."""
         try:
-            await self._call(name, f"put {key!r}", lambda s: s.put(key, data))
+            await self.put(name, key, data)
         except (StoreFull, StoreDenied) as e:
             h = self._health[name]
             if trio.current_time() - h.refused >= REFUSED_FOR:
@@ -882,7 +888,7 @@ class StorePool:
     async def put_quorum(self, names: Sequence[str], key: str, data: bytes, quorum: int) -> list[str]:
         """Put `key` on every store of `names` at once; the names that hold it (in `names` order).
         Raises the first StoreError if fewer than `quorum` succeeded."""
-        return await self._put_quorum(names, lambda n: self.put(n, key, data), quorum, f"put {key!r}",
+        return await self._put_quorum(names, lambda n: self._placed_put(n, key, data), quorum, f"put {key!r}",
                                       nbytes=len(data))
 
     async def get_any(self, names: Sequence[str], key: str) -> bytes:
@@ -1192,7 +1198,7 @@ class StorePool:
                 since[name] = mtime
                 return
             start = self.clock()
-            await self.put(name, key, enc.blob)
+            await self._placed_put(name, key, enc.blob)
             since[name] = start
             self._suspects.pop((name, enc.digest), None)
             if state == "bad":

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from cpfs import roster
-from cpfs.catalog import Catalog
+from cpfs.catalog import Catalog, Unreadable
 from cpfs.config import ConfigError, parse_config
 from cpfs.errors import StoreFull, StoreUnavailable
 from cpfs.importer import Importer
@@ -63,6 +63,8 @@ def test_spares_default_to_one_where_every_copy_must_land(tmp_path: Path) -> Non
     assert _config(tmp_path, "spares = 0\n").spares == 0
     with pytest.raises(ConfigError, match="spares: must be between 0 and the stores beyond replicas"):
         _config(tmp_path, "spares = 2\n")
+    with pytest.raises(ConfigError, match="spares: must be 0 with write_quorum 1"):
+        _config(tmp_path, "write_quorum = 1\nspares = 1\n")
 
 
 async def test_a_save_placed_on_a_store_that_is_down_lands_on_the_spare(tmp_path: Path) -> None:
@@ -186,7 +188,7 @@ async def test_replicas_1_gets_no_spare(tmp_path: Path) -> None:
 async def test_a_reader_that_misses_the_stores_of_the_newest_version_does_not_serve_an_older(tmp_path: Path) -> None:
     """v2 saved while placement store b was down lands on a and the spare c. A reader that can list
     only b would find v1 alone and serve it as current (the review's find: a fresh mount or `cpfs cat`
-    went back a checkpoint): it fails (EIO) instead, and a snapshot leaves the path out."""
+    went back a checkpoint): it fails (EIO) instead, and a snapshot shows the path unreadable."""
     path = "/ck0.pt"
     a, b = place(path_hash(path), NAMES, 2)
     c, = set(NAMES) - {a, b}
@@ -203,7 +205,8 @@ async def test_a_reader_that_misses_the_stores_of_the_newest_version_does_not_se
     wrapped[a].down = wrapped[c].down = True
     with pytest.raises(StoreUnavailable, match="to tell which version is current"):
         await Catalog(reader).get(path)
-    assert path not in await Catalog(reader).load_all()
+    shown = (await Catalog(reader).load_all())[path]        # shown (no put or create replaces it), EIO
+    assert isinstance(shown, Unreadable) and shown.unlisted and "to tell which version is current" in shown.reason
     reader, _ = _pool(tmp_path)
     assert (await Catalog(reader).get(path)).version == 2
 
