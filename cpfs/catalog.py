@@ -845,16 +845,16 @@ class Catalog:
         self._highest[h] = max(self._highest.get(h, 0), version)
 
     def _next(self, manifest: Manifest, refs: list[VersionRef], state: str, reason: str,
-              txn: str = "", avoid: Container[str] = ()) -> tuple[Manifest, VersionRef, list[str]]:
-        """The path's next version: the manifest to store, its key, and the stores it goes to (a spare
-        for one marked down or in `avoid`)."""
+              txn: str = "", targets: list[str] | None = None) -> tuple[Manifest, VersionRef, list[str]]:
+        """The path's next version: the manifest to store, its key, and the stores it goes to (`targets`,
+        else `StorePool.targets`: a spare for one marked down)."""
         h = path_hash(manifest.path)
         version = max([r.version for r in refs] + [self._highest.get(h, 0)]) + 1
         new = dataclasses.replace(manifest, version=version, writer=self._writer, host=HOST,
                                   committed_ns=self._clock(), state=state, reason=reason)
         ref = VersionRef(h, version, self._writer, state, VersionRef.key_of(h, version, self._writer, state, txn),
                          txn)
-        return new, ref, self.pool.targets(h, avoid)
+        return new, ref, targets or self.pool.targets(h)
 
     def _took(self, new: Manifest, ref: VersionRef, held: list[str], where: dict[str, list[str]]) -> None:
         """A version committed: remember it (keys are immutable)."""
@@ -902,14 +902,14 @@ class Catalog:
         if state == "ok":
             await self._under_folders([manifest.path], seen)
         await self.retry_voids()
-        avoid: list[str] = []
+        retry: list[str] | None = None
         for again in (False, True):
             # Listed again for the retry: another writer may have taken the next number meanwhile
             # (the retry with its old listing tied with it, and the save done last was hidden).
             refs, where, committed = await self._listed_refs(manifest.path)
             if state == "ok":
                 _not_removed_since(manifest.path, current_of(refs, committed), seen)
-            new, ref, targets = self._next(manifest, refs, state, reason, avoid=avoid)
+            new, ref, targets = self._next(manifest, refs, state, reason, targets=retry)
             try:
                 held = await self.pool.put_quorum(targets, ref.key, new.to_bytes(), self._cfg.write_quorum)
                 break
@@ -919,11 +919,11 @@ class Catalog:
                     await self._take_back_version(new, ref, targets, e)
                 # A target went down during the put: once more, under the next number (this one is
                 # voided), a spare standing in for it (cpfs/placement.py: Layout).
-                avoid = self.pool.failed_transiently(e)
-                if again or not isinstance(e, StoreError) or self.pool.targets(ref.path_hash, avoid) == targets:
+                retry = None if again else self.pool.retarget(ref.path_hash, targets, e)
+                if retry is None:
                     raise
                 log.warning("%s: version %d failed to commit (%s); committing it again on %s", manifest.path,
-                            ref.version, _why(e), ", ".join(self.pool.targets(ref.path_hash, avoid)))
+                            ref.version, _why(e), ", ".join(retry))
         self._took(new, ref, held, where)
         await self._retire([*refs, ref], where, committed, replacing)
         return new

@@ -265,17 +265,19 @@ class StorePool:
     def targets(self, digest: str, avoid: Container[str] = ()) -> list[str]:
         """Where a write of `digest` (a chunk, a path's version, a transaction's record) goes now: its
         placement, with a spare standing in for each store marked down, that refused a write within
-        REFUSED_FOR (full, denied), or in `avoid` (one that just failed a write transiently:
-        `Layout.targets`)."""
+        REFUSED_FOR (full, denied), or in `avoid` (`Layout.targets`)."""
         now = trio.current_time()
         return self.layout.targets(digest, [n for n, h in self._health.items() if not h.up or n in avoid],
                                    [n for n, h in self._health.items() if now - h.refused < REFUSED_FOR])
 
-    @staticmethod
-    def failed_transiently(e: BaseException) -> list[str]:
-        """The store a write that failed below quorum with `e` may succeed without (a spare standing
-        in: `targets`), or none (a store that refused it, full or denied, `targets` avoids anyway)."""
-        return [e.store] if isinstance(e, StoreError) and e.transient else []
+    def retarget(self, digest: str, targets: Sequence[str], error: BaseException) -> list[str] | None:
+        """Where a write of `digest` that failed on `targets` with `error` goes once more: with a spare
+        standing in for the store that failed it transiently, or for one marked down or refusing since;
+        None where that changes nothing (a cancellation; no spare; a refusal is marked by `_placed_put`)."""
+        if not isinstance(error, StoreError):
+            return None
+        again = self.targets(digest, [error.store] if error.transient else [])
+        return again if again != list(targets) else None
 
     def rank(self, names: Sequence[str]) -> list[str]:
         """Replicas, best first: stores that are up before those that are down, known-slow stores after

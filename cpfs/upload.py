@@ -152,8 +152,8 @@ class Uploader:
         except StoreError as e:
             # A target went down during the put: once more, with a spare standing in for it, or the
             # save in hand fails for what the next one no longer meets.
-            again = self._pool.targets(enc.digest, avoid=self._pool.failed_transiently(e))
-            if again == targets:
+            again = self._pool.retarget(enc.digest, targets, e)
+            if again is None:
                 raise
             log.warning("chunk %s: %s; storing it on %s instead", enc.digest[:16], e, ", ".join(again))
             held, new, since = await self._pool.store_chunk(enc, again, self._cfg.write_quorum)
